@@ -1,0 +1,144 @@
+"""Command line: `instgenie edit ...` (and later serve / worker / profile / bench-step)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from instgenie.config import LimitsConfig, ModelConfig, add_dataclass_args, dataclass_from_args
+from instgenie.errors import InstGenIEError, ModelLoadError, ValidationError
+
+EXIT_INVALID_INPUT = 2
+EXIT_MODEL_LOAD = 3
+
+
+def _quiet_libraries() -> None:
+    """diffusers/transformers log advisory warnings (torchvision absent, dtype casts) on every
+    import; the CLI prints only its own results and errors."""
+    import diffusers
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.set_verbosity_error()
+
+
+def _sample_asset(name: str) -> bytes:
+    return resources.files("instgenie").joinpath("assets", name).read_bytes()
+
+
+def _read(path: str | None, sample: str) -> bytes:
+    if path is None:
+        return _sample_asset(sample)
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValidationError("image" if "mask" not in sample else "mask", str(exc)) from None
+
+
+def cmd_edit(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    from instgenie.engine.pipeline import EditPipeline
+    from instgenie.engine.request import EditRequest
+
+    model = dataclass_from_args(ModelConfig, args)
+    limits = LimitsConfig()
+    out = Path(args.output)
+    fmt = args.format or (out.suffix.lstrip(".").lower() or "png")
+    req = EditRequest(
+        uid="cli",
+        image=_read(args.image, "sample.png"),
+        mask=_read(args.mask, "sample_mask.png"),
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        seed=args.seed,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        strength=args.strength,
+        height=args.height,
+        width=args.width,
+        paste_back=args.paste_back,
+        output_format=fmt,
+    )
+    t0 = time.perf_counter()
+    pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype, limits=limits)
+    t1 = time.perf_counter()
+    state = pipe.preprocess(req)
+    t2 = time.perf_counter()
+    while not state.is_done:
+        pipe.denoise_step([state])
+    _sync(model.device)
+    t3 = time.perf_counter()
+    result = pipe.postprocess([state])[0]
+    t4 = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(result.data)
+    summary = {
+        "output": str(out),
+        "model": model.model,
+        "device": model.device,
+        "size": list(result.image.size),
+        "mask_ratio": round(result.mask_ratio, 4),
+        "num_steps": result.num_steps,
+        "load_ms": round(1e3 * (t1 - t0), 1),
+        "preprocess_ms": round(1e3 * (t2 - t1), 1),
+        "denoise_ms": round(1e3 * (t3 - t2), 1),
+        "postprocess_ms": round(1e3 * (t4 - t3), 1),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="instgenie", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    edit = sub.add_parser("edit", help="edit one image with a mask and a prompt")
+    add_dataclass_args(edit, ModelConfig)
+    edit.add_argument("--image", help="template image (PNG/JPEG/WebP); default: bundled sample")
+    edit.add_argument("--mask", help="mask, white = edit; default: the bundled sample's mask")
+    edit.add_argument("--prompt", required=True)
+    edit.add_argument("--negative-prompt", default=None)
+    edit.add_argument("--seed", type=int, default=0)
+    edit.add_argument("--steps", type=int, default=None, help="default: the family's (50)")
+    edit.add_argument("--guidance", type=float, default=None, help="default: the family's")
+    edit.add_argument("--strength", type=float, default=1.0)
+    edit.add_argument("--height", type=int, default=None)
+    edit.add_argument("--width", type=int, default=None)
+    edit.add_argument("--paste-back", action=argparse.BooleanOptionalAction, default=True)
+    edit.add_argument("--format", choices=["png", "jpeg", "webp"], default=None,
+                      help="default: from the output file's suffix")  # fmt: skip
+    edit.add_argument("-o", "--output", required=True)
+    edit.set_defaults(func=cmd_edit)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValidationError as exc:
+        print(f"invalid input: {exc}", file=sys.stderr)
+        return EXIT_INVALID_INPUT
+    except ModelLoadError as exc:
+        print(f"model load failed: {exc}", file=sys.stderr)
+        return EXIT_MODEL_LOAD
+    except InstGenIEError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

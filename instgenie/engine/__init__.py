@@ -1,0 +1,1 @@
+"""Inference engine: family adapters, the step-split editing pipeline, batched scheduler math."""

@@ -1,0 +1,1 @@
+"""Model-family adapters: thin layers over diffusers pipelines, one file per family."""

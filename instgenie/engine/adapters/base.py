@@ -1,0 +1,151 @@
+"""What all family adapters share: loading (tiny / full / local directory), per-request scheduler
+copies, and the proxy that lets diffusers' own pipeline methods run with a private scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from diffusers import DiffusionPipeline
+
+from instgenie.engine.family import ModelSpec
+from instgenie.errors import ModelLoadError, ValidationError
+
+log = logging.getLogger(__name__)
+
+#: seed of every random-weight model; identical in every process (see build.build_seeded)
+WEIGHTS_SEED = 0
+
+
+class PipelineView:
+    """Stands in for `self` when calling a diffusers pipeline method.
+
+    Attribute reads fall through to the shared pipeline, except `scheduler` (a private per-request
+    copy, so no shared mutable scheduler state is touched) and any per-call overrides.
+    """
+
+    def __init__(self, pipe: DiffusionPipeline, scheduler: Any, **overrides: Any) -> None:
+        self.__dict__["_pipe"] = pipe
+        self.__dict__["scheduler"] = scheduler
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_pipe"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # diffusers methods may cache values on self; keep them on the view, never on the pipe
+        self.__dict__[name] = value
+
+
+class AdapterBase:
+    name: ClassVar[str]
+    pipeline_cls: ClassVar[type[DiffusionPipeline]]
+    scheduler_cls: ClassVar[type]
+    gpu_dtype: ClassVar[torch.dtype]
+    default_steps: ClassVar[int] = 50
+    default_guidance: ClassVar[float]
+    #: keyword arguments for pipeline_cls(...) and from_pretrained(...)
+    pipeline_kwargs: ClassVar[dict[str, Any]] = {}
+
+    def __init__(
+        self, spec: ModelSpec, pipe: DiffusionPipeline, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.spec = spec
+        self.pipe = pipe
+        self.device = device
+        self.dtype = dtype
+        pipe.set_progress_bar_config(disable=True)
+
+    # ---- loading -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, spec: ModelSpec, *, device: str, dtype: torch.dtype) -> AdapterBase:
+        dev = torch.device(device)
+        if spec.is_local_dir:
+            pipe = cls._from_dir(Path(spec.size), dev, dtype)
+        else:
+            comps = cls.build_components(spec.size, device=str(dev), dtype=dtype)
+            pipe = cls.pipeline_cls(**comps, **cls.pipeline_kwargs)
+        cls._check_pipeline(pipe)
+        return cls(spec, pipe, dev, dtype)
+
+    @classmethod
+    def build_components(cls, size: str, *, device: str, dtype: torch.dtype) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_dir(cls, path: Path, device: torch.device, dtype: torch.dtype) -> DiffusionPipeline:
+        index = path / "model_index.json"
+        if not index.is_file():
+            raise ModelLoadError(
+                f"{path} is not a diffusers pipeline directory (no model_index.json)"
+            )
+        try:
+            class_name = json.loads(index.read_text()).get("_class_name")
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{index} is unreadable: {exc}") from exc
+        if class_name != cls.pipeline_cls.__name__:
+            raise ModelLoadError(
+                f"could not load {cls.name} from {path}: it holds a {class_name}, "
+                f"this family needs a {cls.pipeline_cls.__name__}"
+            )
+        try:
+            pipe = cls.pipeline_cls.from_pretrained(
+                str(path), torch_dtype=dtype, local_files_only=True, **cls.pipeline_kwargs
+            )
+        except Exception as exc:  # diffusers raises many types; report them as one load error
+            raise ModelLoadError(f"could not load {cls.name} from {path}: {exc}") from exc
+        if not isinstance(pipe.scheduler, cls.scheduler_cls):
+            # batched stepping needs a single-step Euler-family scheduler (schedule.py)
+            log.info(
+                "replacing %s by %s", type(pipe.scheduler).__name__, cls.scheduler_cls.__name__
+            )
+            pipe.scheduler = cls.scheduler_cls.from_config(pipe.scheduler.config)
+        return pipe.to(device)
+
+    @classmethod
+    def _check_pipeline(cls, pipe: DiffusionPipeline) -> None:
+        """Family-specific structural checks (input channels, scheduler)."""
+
+    # ---- per-request helpers ---------------------------------------------------------------
+    def new_scheduler(self) -> Any:
+        """A private scheduler with the pipeline's config: per-request tables, no shared state."""
+        sched = self.pipe.scheduler
+        return type(sched).from_config(sched.config)
+
+    def view(self, scheduler: Any, **overrides: Any) -> PipelineView:
+        return PipelineView(self.pipe, scheduler, **overrides)
+
+    @staticmethod
+    def generator(seed: int) -> torch.Generator:
+        """Seed semantics: a CPU generator, consumed in diffusers' order (noise, VAE sampling)."""
+        return torch.Generator(device="cpu").manual_seed(int(seed))
+
+    def resolve_steps_guidance(
+        self, steps: int | None, guidance: float | None
+    ) -> tuple[int, float]:
+        return (
+            self.default_steps if steps is None else int(steps),
+            self.default_guidance if guidance is None else float(guidance),
+        )
+
+    @staticmethod
+    def check_num_steps(num_steps: int, strength: float) -> None:
+        if num_steps < 1:
+            raise ValidationError(
+                "strength",
+                f"strength {strength} leaves {num_steps} denoising steps; increase strength or "
+                "num_inference_steps so that at least one step runs",
+            )
+
+    @staticmethod
+    def step_vectors(batch: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(timestep, sigma, sigma_next) for each request at its own step index; float32, CPU."""
+        idx = [s.step_index for s in batch]
+        t = torch.stack([s.timesteps[i] for s, i in zip(batch, idx, strict=True)])
+        sig = torch.stack([s.sigmas[i] for s, i in zip(batch, idx, strict=True)])
+        nxt = torch.stack([s.sigmas[i + 1] for s, i in zip(batch, idx, strict=True)])
+        return t, sig, nxt

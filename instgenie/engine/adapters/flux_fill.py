@@ -1,0 +1,240 @@
+"""`flux-fill`: FLUX.1 Fill (FluxTransformer2DModel, 384 input channels, CLIP-L + T5-XXL, 1024²).
+
+Guidance-distilled: no CFG rows; the guidance scale (default 30) is a transformer input. Latents
+are packed 2x2 into tokens: (1, (h/2)(w/2), 4C). Pre-processing follows FluxFillPipeline.__call__
+up to its loop; the generator is consumed for: the image's VAE sample, noise, the masked image's
+VAE sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    FluxFillPipeline,
+    FluxTransformer2DModel,
+)
+from diffusers.pipelines.flux.pipeline_flux_fill import calculate_shift, retrieve_timesteps
+from PIL import Image
+
+from instgenie.engine import textenc
+from instgenie.engine.adapters.base import WEIGHTS_SEED, AdapterBase
+from instgenie.engine.build import build_seeded
+from instgenie.engine.request import EditRequest, RequestState
+from instgenie.engine.schedule import flow_match_step
+from instgenie.errors import BatchError
+
+TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
+    "full": dict(
+        patch_size=1,
+        in_channels=384,
+        out_channels=64,
+        num_layers=19,
+        num_single_layers=38,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    ),
+    # 4 latent channels, VAE scale 4: in = 4*4 (latents) + 4*4 (masked image) + 4*4*4 (mask)
+    "tiny": dict(
+        patch_size=1,
+        in_channels=96,
+        out_channels=16,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    ),
+}
+
+VAE_CONFIGS: dict[str, dict[str, Any]] = {
+    "full": dict(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=16,
+        block_out_channels=[128, 256, 512, 512],
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        layers_per_block=2,
+        sample_size=1024,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    ),
+    "tiny": dict(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=[16, 32, 32],
+        down_block_types=["DownEncoderBlock2D"] * 3,
+        up_block_types=["UpDecoderBlock2D"] * 3,
+        layers_per_block=1,
+        norm_num_groups=8,
+        sample_size=128,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    ),
+}
+
+SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+
+#: T5 sequence length per size (tokens), stored as tokenizer_2.model_max_length
+TEXT_LEN = {"tiny": 32, "full": 512}
+
+
+class FluxFill(AdapterBase):
+    name = "flux-fill"
+    pipeline_cls = FluxFillPipeline
+    scheduler_cls = FlowMatchEulerDiscreteScheduler
+    gpu_dtype = torch.bfloat16
+    default_guidance = 30.0
+
+    @classmethod
+    def build_components(cls, size: str, *, device: str, dtype: torch.dtype) -> dict[str, Any]:
+        tiny = size == "tiny"
+
+        def build(factory: Any, offset: int) -> Any:
+            return build_seeded(factory, seed=WEIGHTS_SEED + offset, device=device, dtype=dtype)
+
+        return dict(
+            transformer=build(lambda: FluxTransformer2DModel(**TRANSFORMER_CONFIGS[size]), 0),
+            vae=build(lambda: AutoencoderKL(**VAE_CONFIGS[size]), 1),
+            text_encoder=build(lambda: textenc.clip_text_model("tiny" if tiny else "clip-l"), 2),
+            text_encoder_2=build(lambda: textenc.t5_encoder("tiny" if tiny else "t5-xxl"), 3),
+            tokenizer=textenc.clip_tokenizer(77),
+            tokenizer_2=textenc.t5_tokenizer(TEXT_LEN[size]),
+            scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+        )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.transformer = self.pipe.transformer
+        self.vae = self.pipe.vae
+        self.granule = self.pipe.vae_scale_factor * 2
+        # T5 sequence length: the tokenizer's own limit (512 for the released checkpoints)
+        self.text_len = min(512, int(self.pipe.tokenizer_2.model_max_length))
+
+    def prepare(
+        self, request: EditRequest, image: Image.Image, mask: Image.Image, height: int, width: int
+    ) -> RequestState:
+        pipe, dev, dtype = self.pipe, self.device, self.dtype
+        steps, guidance = self.resolve_steps_guidance(
+            request.num_inference_steps, request.guidance_scale
+        )
+        gen = self.generator(request.seed)
+        init_image = pipe.image_processor.preprocess(image, height=height, width=width)
+        init_image = init_image.to(dtype=torch.float32)
+        prompt_embeds, pooled, text_ids = pipe.encode_prompt(
+            prompt=request.prompt,
+            prompt_2=None,
+            device=dev,
+            num_images_per_prompt=1,
+            max_sequence_length=self.text_len,
+        )
+
+        sched = self.new_scheduler()
+        view = self.view(sched)
+        vsf = pipe.vae_scale_factor
+        cfg = sched.config
+        mu = calculate_shift(
+            (height // vsf // 2) * (width // vsf // 2),
+            cfg.get("base_image_seq_len", 256),
+            cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5),
+            cfg.get("max_shift", 1.15),
+        )
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        timesteps, n = retrieve_timesteps(sched, steps, dev, sigmas=sigmas, mu=mu)
+        timesteps, n = type(pipe).get_timesteps(view, n, request.strength, dev)
+        self.check_num_steps(n, request.strength)
+
+        channels = self.vae.config.latent_channels
+        latents, img_ids = type(pipe).prepare_latents(
+            view, init_image, timesteps[:1], 1, channels, height, width, dtype, dev, gen, None
+        )
+        mask_image = pipe.mask_processor.preprocess(mask, height=height, width=width)
+        masked_image = (init_image * (1 - mask_image)).to(device=dev, dtype=dtype)
+        mask_packed, masked_lat = type(pipe).prepare_mask_latents(
+            view, mask_image, masked_image, 1, channels, 1, height, width, dtype, dev, gen
+        )
+        lat_h, lat_w = 2 * (height // (vsf * 2)), 2 * (width // (vsf * 2))
+        latent_mask = torch.nn.functional.interpolate(mask_image, size=(lat_h, lat_w))
+
+        t_start = sched.begin_index or 0
+        return RequestState(
+            uid=request.uid,
+            request=request,
+            latents=latents,
+            cond={
+                "prompt_embeds": prompt_embeds,
+                "pooled_projections": pooled,
+                "masked_image_latents": torch.cat((masked_lat, mask_packed), dim=-1),
+                "guidance": torch.full([1], guidance, device=dev, dtype=torch.float32),
+            },
+            timesteps=timesteps.to("cpu", torch.float32),
+            sigmas=sched.sigmas[t_start:].to("cpu", torch.float32),
+            guidance_scale=guidance,
+            num_rows=1,
+            image=image,
+            mask=mask,
+            latent_mask=latent_mask.to(dev),
+            extras={"txt_ids": text_ids, "img_ids": img_ids, "size": (height, width)},
+        )
+
+    def denoise_step(self, batch: list[RequestState]) -> None:
+        if not batch:
+            return
+        keys = {s.batch_key for s in batch}
+        if len(keys) > 1:
+            raise BatchError(f"requests with different token shapes cannot share a batch: {keys}")
+        dev = self.device
+        t, sig, sig_next = self.step_vectors(batch)
+        latents = torch.cat([s.latents for s in batch])
+        cond = {k: torch.cat([s.cond[k] for s in batch]) for k in batch[0].cond}
+        hidden = torch.cat((latents, cond["masked_image_latents"]), dim=2)
+        # diffusers: timestep = t.to(latents.dtype) / 1000, computed in the latents' dtype
+        timestep = t.to(dev).to(latents.dtype) / 1000
+        out = self.transformer(
+            hidden_states=hidden,
+            timestep=timestep,
+            guidance=cond["guidance"] if self.transformer.config.guidance_embeds else None,
+            pooled_projections=cond["pooled_projections"],
+            encoder_hidden_states=cond["prompt_embeds"],
+            txt_ids=batch[0].extras["txt_ids"],
+            img_ids=batch[0].extras["img_ids"],
+            return_dict=False,
+        )[0]
+        new = flow_match_step(out, latents, sig.to(dev), sig_next.to(dev))
+        for i, s in enumerate(batch):
+            s.latents = new[i : i + 1]
+            s.step_index += 1
+
+    def decode(self, batch: list[RequestState]) -> list[Image.Image]:
+        height, width = batch[0].extras["size"]
+        latents = torch.cat([s.latents for s in batch])
+        latents = self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
+        latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        image = self.vae.decode(latents, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="pil")

@@ -1,0 +1,168 @@
+"""Shared adapter logic for the 9-channel UNet inpainting families (SD2, SDXL).
+
+Pre-processing follows StableDiffusion(XL)InpaintPipeline.__call__ up to its denoising loop,
+calling the pipeline's own methods (through a `PipelineView` with a private scheduler) so the
+generator is consumed in the same order: [VAE sample of the image if strength < 1], noise,
+VAE sample of the masked image.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import EulerDiscreteScheduler
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint import (
+    retrieve_latents,
+    retrieve_timesteps,
+)
+from PIL import Image
+
+from instgenie.engine.adapters.base import AdapterBase
+from instgenie.engine.request import EditRequest, RequestState
+from instgenie.engine.schedule import euler_scale_input, euler_step
+from instgenie.errors import BatchError, ModelLoadError
+
+
+class UNetInpaintAdapter(AdapterBase):
+    scheduler_cls = EulerDiscreteScheduler
+    gpu_dtype = torch.float16
+    default_guidance = 7.5
+
+    @classmethod
+    def _check_pipeline(cls, pipe: Any) -> None:
+        if pipe.unet.config.in_channels != 9:
+            raise ModelLoadError(
+                f"{cls.name} needs a 9-channel inpainting UNet, got in_channels="
+                f"{pipe.unet.config.in_channels}"
+            )
+        if pipe.unet.config.time_cond_proj_dim is not None:
+            raise ModelLoadError(f"{cls.name}: guidance-embedding (LCM) UNets are not supported")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        unet = self.pipe.unet
+        self.unet = unet
+        self.vae = self.pipe.vae
+        # image sides must survive VAE downscaling and every UNet downsampler
+        self.granule = self.pipe.vae_scale_factor * 2 ** (len(unet.config.block_out_channels) - 1)
+        self.prediction_type = self.pipe.scheduler.config.prediction_type
+
+    # ---- family hooks ------------------------------------------------------------------------
+    def encode_prompt(self, request: EditRequest, do_cfg: bool, height: int, width: int) -> dict:
+        """Conditioning rows, (num_rows, ...) each, uncond row first when do_cfg."""
+        raise NotImplementedError
+
+    def unet_kwargs(self, cond: dict[str, torch.Tensor]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def encode_vae_image(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """VAE-encode with sampling; result in `image.dtype`, scaled by the VAE scaling factor."""
+        latents = retrieve_latents(self.vae.encode(image.to(self.vae.dtype)), generator=generator)
+        return self.vae.config.scaling_factor * latents.to(image.dtype)
+
+    # ---- pre-process -------------------------------------------------------------------------
+    def prepare(
+        self, request: EditRequest, image: Image.Image, mask: Image.Image, height: int, width: int
+    ) -> RequestState:
+        pipe, dev, dtype = self.pipe, self.device, self.dtype
+        steps, guidance = self.resolve_steps_guidance(
+            request.num_inference_steps, request.guidance_scale
+        )
+        do_cfg = guidance > 1.0
+        gen = self.generator(request.seed)
+        cond = self.encode_prompt(request, do_cfg, height, width)
+
+        sched = self.new_scheduler()
+        view = self.view(sched, _encode_vae_image=self.encode_vae_image)
+        timesteps, n = retrieve_timesteps(sched, steps, dev)
+        timesteps, n = type(pipe).get_timesteps(view, n, request.strength, dev)
+        self.check_num_steps(n, request.strength)
+
+        init_image = pipe.image_processor.preprocess(image, height=height, width=width)
+        init_image = init_image.to(dtype=torch.float32)
+        mask_cond = pipe.mask_processor.preprocess(mask, height=height, width=width)
+        masked_image = init_image * (mask_cond < 0.5)
+        latents, _noise = type(pipe).prepare_latents(
+            view,
+            1,
+            self.vae.config.latent_channels,
+            height,
+            width,
+            dtype,
+            dev,
+            gen,
+            None,
+            image=init_image,
+            timestep=timesteps[:1],
+            is_strength_max=request.strength == 1.0,
+            return_noise=True,
+            return_image_latents=False,
+        )
+        mask_lat, masked_lat = type(pipe).prepare_mask_latents(
+            view, mask_cond, masked_image, 1, height, width, dtype, dev, gen, do_cfg
+        )
+        cond["mask"] = mask_lat
+        cond["masked_image_latents"] = masked_lat
+
+        t_start = sched.begin_index or 0
+        sigmas = sched.sigmas[t_start:].to("cpu", torch.float32)
+        timesteps = timesteps.to("cpu", torch.float32)
+        assert sigmas.shape[0] == timesteps.shape[0] + 1, (sigmas.shape, timesteps.shape)
+        return RequestState(
+            uid=request.uid,
+            request=request,
+            latents=latents,
+            cond=cond,
+            timesteps=timesteps,
+            sigmas=sigmas,
+            guidance_scale=guidance,
+            num_rows=2 if do_cfg else 1,
+            image=image,
+            mask=mask,
+            latent_mask=mask_lat[:1].float(),
+        )
+
+    # ---- one denoising step for a mixed batch ------------------------------------------------
+    def denoise_step(self, batch: list[RequestState]) -> None:
+        if not batch:
+            return
+        keys = {s.batch_key for s in batch}
+        if len(keys) > 1:
+            raise BatchError(f"requests with different latent shapes cannot share a batch: {keys}")
+        t, sig, sig_next = self.step_vectors(batch)
+        rows = torch.tensor([s.num_rows for s in batch])
+        dev = self.device
+
+        latents = torch.cat([s.latents for s in batch])  # (B, 4, h, w)
+        x = latents.repeat_interleave(rows.to(dev), dim=0)  # (R, 4, h, w), CFG rows adjacent
+        x = euler_scale_input(x, sig.repeat_interleave(rows).to(dev))
+        cond = {k: torch.cat([s.cond[k] for s in batch]) for k in batch[0].cond}
+        x = torch.cat([x, cond["mask"], cond["masked_image_latents"]], dim=1)
+        out = self.unet(
+            x, t.repeat_interleave(rows).to(dev), return_dict=False, **self.unet_kwargs(cond)
+        )[0]
+
+        eps, off = [], 0
+        for s in batch:
+            o = out[off : off + s.num_rows]
+            off += s.num_rows
+            if s.num_rows == 2:
+                uncond, text = o.chunk(2)
+                o = uncond + s.guidance_scale * (text - uncond)
+            eps.append(o)
+        new = euler_step(
+            torch.cat(eps), latents, sig.to(dev), sig_next.to(dev), self.prediction_type
+        )
+        for i, s in enumerate(batch):
+            s.latents = new[i : i + 1]
+            s.step_index += 1
+
+    # ---- post-process ------------------------------------------------------------------------
+    def decode(self, batch: list[RequestState]) -> list[Image.Image]:
+        latents = torch.cat([s.latents for s in batch])
+        image = self.vae.decode(self.unscale_latents(latents), return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="pil")
+
+    def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents / self.vae.config.scaling_factor

@@ -1,0 +1,107 @@
+"""The model-family Protocol, model specs ("FAMILY:SIZE" / "FAMILY:/dir") and the registry.
+
+A family adapter is a thin layer over a diffusers pipeline object: it reuses the pipeline's own
+prompt encoding, image processors, VAE encode and latent preparation (so pre-processing matches
+diffusers exactly), and replaces only the denoising loop with `denoise_step(batch)`, whose batch
+may mix requests at different steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+from PIL import Image
+
+from instgenie.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from instgenie.engine.request import EditRequest, RequestState
+
+SIZES = ("tiny", "full")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    #: "tiny", "full", or a local diffusers directory
+    size: str
+
+    @property
+    def is_local_dir(self) -> bool:
+        return self.size not in SIZES
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        family, sep, size = text.partition(":")
+        if not sep or not family or not size:
+            raise ModelLoadError(
+                f"model spec {text!r} must be FAMILY:SIZE (SIZE in {SIZES}) or FAMILY:/path/to/dir"
+            )
+        if family not in family_names():
+            raise ModelLoadError(f"unknown model family {family!r}; known: {family_names()}")
+        if size not in SIZES and not Path(size).is_dir():
+            raise ModelLoadError(
+                f"model size {size!r} is neither one of {SIZES} nor an existing local directory"
+            )
+        return cls(family, size)
+
+    def __str__(self) -> str:
+        return f"{self.family}:{self.size}"
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """What every family adapter provides."""
+
+    name: str
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+    default_steps: int
+    default_guidance: float
+    #: image sides must be multiples of this many pixels
+    granule: int
+
+    def prepare(
+        self, request: EditRequest, image: Image.Image, mask: Image.Image, height: int, width: int
+    ) -> RequestState:
+        """Encode prompt, VAE-encode template and masked image, draw seeded noise, build tables."""
+        ...
+
+    def denoise_step(self, batch: list[RequestState]) -> None:
+        """Advance every request of `batch` by one step (each at its own step index), in place."""
+        ...
+
+    def decode(self, batch: list[RequestState]) -> list[Image.Image]:
+        """VAE-decode finished requests to images at working resolution."""
+        ...
+
+
+def family_names() -> list[str]:
+    return sorted(_registry())
+
+
+def _registry() -> dict[str, type]:
+    from instgenie.engine.adapters.flux_fill import FluxFill
+    from instgenie.engine.adapters.sd2_inpaint import SD2Inpaint
+    from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint
+
+    return {cls.name: cls for cls in (SD2Inpaint, SDXLInpaint, FluxFill)}
+
+
+def resolve_dtype(family_cls: type, device: str, dtype: str) -> torch.dtype:
+    from instgenie.engine.build import parse_dtype
+
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    return family_cls.gpu_dtype if torch.device(device).type == "cuda" else torch.float32
+
+
+def load_family(spec: str | ModelSpec, device: str = "cpu", dtype: str = "auto") -> ModelFamily:
+    """Build or load a model family adapter. Never touches the network."""
+    spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(spec)
+    cls = _registry()[spec.family]
+    return cls.load(spec, device=device, dtype=resolve_dtype(cls, device, dtype))

@@ -1,0 +1,126 @@
+"""Image and mask decoding, validation, paste-back and encoding. CPU only; no model code here.
+
+Invariants:
+- Every rejection is a `ValidationError` naming the field, raised before any pixel is decoded when
+  the header already shows the problem (size caps, format allow-list).
+- Masks are binarised at 0.5 (value >= 128 of 255 means "edit"), exactly as diffusers'
+  VaeImageProcessor(do_binarize=True) does, so the model and paste-back agree on the region.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from instgenie.config import LimitsConfig
+from instgenie.errors import ValidationError
+
+OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
+
+ImageInput = bytes | bytearray | memoryview | Image.Image
+
+
+def _open(data: ImageInput, field: str, limits: LimitsConfig) -> Image.Image:
+    if isinstance(data, Image.Image):
+        img = data
+        _check_pixels(img, field, limits)
+        return img
+    raw = bytes(data)
+    if not raw:
+        raise ValidationError(field, "is empty (0 bytes)")
+    allowed = ", ".join(limits.allowed_formats)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            img = Image.open(io.BytesIO(raw), formats=list(limits.allowed_formats))
+        except UnidentifiedImageError:
+            raise ValidationError(
+                field, f"is not a decodable image of an allowed format ({allowed})"
+            ) from None
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise ValidationError(field, f"is rejected as a decompression bomb: {exc}") from None
+        _check_pixels(img, field, limits)
+        if getattr(img, "n_frames", 1) > 1:
+            raise ValidationError(
+                field, f"has {img.n_frames} frames; a single still image is required"
+            )
+        try:
+            img.load()
+        except (OSError, SyntaxError, ValueError) as exc:
+            raise ValidationError(field, f"is truncated or corrupt ({img.format}): {exc}") from None
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise ValidationError(field, f"is rejected as a decompression bomb: {exc}") from None
+    # honour EXIF orientation so that the mask and image are compared as the user sees them
+    return ImageOps.exif_transpose(img)
+
+
+def _check_pixels(img: Image.Image, field: str, limits: LimitsConfig) -> None:
+    w, h = img.size
+    if w < 1 or h < 1:
+        raise ValidationError(field, f"has an empty size {w}x{h}")
+    if w * h > limits.max_image_pixels:
+        raise ValidationError(
+            field, f"is {w}x{h} = {w * h} pixels; the limit is {limits.max_image_pixels} pixels"
+        )
+
+
+def decode_image(data: ImageInput, limits: LimitsConfig, field: str = "image") -> Image.Image:
+    """Decode and validate an image; returns an RGB image."""
+    img = _open(data, field, limits)
+    if img.mode != "RGB":
+        img = img.convert("RGBA").convert("RGB") if "A" in img.getbands() else img.convert("RGB")
+    return img
+
+
+def decode_mask(
+    data: ImageInput, image_size: tuple[int, int], limits: LimitsConfig, field: str = "mask"
+) -> Image.Image:
+    """Decode, validate and binarise a mask (native polarity: white = edit).
+
+    Returns an "L" image with values in {0, 255}. Grayscale, RGB and RGBA masks are converted
+    with Pillow's luminance formula, as diffusers does (`mask.convert("L")`).
+    """
+    img = _open(data, field, limits)
+    if img.size != image_size:
+        raise ValidationError(
+            field,
+            f"is {img.size[0]}x{img.size[1]} but the image is {image_size[0]}x{image_size[1]}; "
+            "the mask must have the image's size",
+        )
+    gray = np.asarray(img.convert("L"))
+    binary = gray >= 128
+    if not binary.any():
+        raise ValidationError(
+            field, "is empty: no pixel is >= 128 (white marks the region to edit), nothing to edit"
+        )
+    return Image.fromarray(binary.astype(np.uint8) * 255, mode="L")
+
+
+def mask_ratio(mask: Image.Image) -> float:
+    """Fraction of pixels marked for editing, in [0, 1]."""
+    return float((np.asarray(mask) >= 128).mean())
+
+
+def paste_back(generated: Image.Image, original: Image.Image, mask: Image.Image) -> Image.Image:
+    """Keep `original` pixels where `mask` is 0; take `generated` where it is 255.
+
+    All three must have the same size; `generated` is resized to it beforehand by the caller.
+    """
+    assert generated.size == original.size == mask.size, (generated.size, original.size, mask.size)
+    return Image.composite(generated.convert("RGB"), original.convert("RGB"), mask)
+
+
+def encode_image(img: Image.Image, output_format: str, quality: int = 95) -> bytes:
+    """Encode to PNG/JPEG/WebP bytes."""
+    fmt = OUTPUT_FORMATS.get(output_format.lower())
+    if fmt is None:
+        raise ValidationError(
+            "output_format", f"{output_format!r} is not one of {sorted(set(OUTPUT_FORMATS))}"
+        )
+    buf = io.BytesIO()
+    kwargs = {"quality": quality} if fmt in ("JPEG", "WEBP") else {}
+    img.convert("RGB").save(buf, format=fmt, **kwargs)
+    return buf.getvalue()

@@ -1,0 +1,87 @@
+"""Engine-level request types: what a caller asks for, and the per-request denoising state.
+
+`EditRequest` is immutable user input. `RequestState` is what pre-processing produces and the
+denoise loop advances one step at a time; it owns every per-request table, so a batch may mix
+requests at different step indices, with different step counts, templates, masks and prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from instgenie.engine.imageio import ImageInput
+
+
+@dataclass(frozen=True)
+class EditRequest:
+    uid: str
+    image: ImageInput
+    #: native polarity: white (>= 128) = edit, black = keep
+    mask: ImageInput
+    prompt: str
+    seed: int = 0
+    negative_prompt: str | None = None
+    #: None = the family's default (50)
+    num_inference_steps: int | None = None
+    #: None = the family's default (7.5 for SD2/SDXL, 30 for Flux-Fill)
+    guidance_scale: float | None = None
+    #: fraction of the schedule to run, in (0, 1]; 1.0 starts from pure noise
+    strength: float = 1.0
+    #: working resolution in pixels; None = the image's size rounded down to the model's granule
+    height: int | None = None
+    width: int | None = None
+    #: copy unmasked pixels of the input into the output
+    paste_back: bool = True
+    output_format: str = "png"
+
+
+@dataclass
+class RequestState:
+    """Per-request denoising state. Tensors live on the model's device.
+
+    Invariant: `sigmas` has `num_steps + 1` entries (the last is 0) and `timesteps` has
+    `num_steps`; step `step_index` uses sigmas[step_index] -> sigmas[step_index + 1].
+    """
+
+    uid: str
+    request: EditRequest
+    #: current latents, model dtype; (1, C, h, w) for UNet families, (1, L, C) packed for Flux
+    latents: torch.Tensor
+    #: family-specific conditioning tensors, one entry per CFG row already stacked (rows, ...)
+    cond: dict[str, torch.Tensor]
+    #: float32, (num_steps,), the model's timestep input per step
+    timesteps: torch.Tensor
+    #: float32, (num_steps + 1,)
+    sigmas: torch.Tensor
+    guidance_scale: float
+    #: 2 with classifier-free guidance (uncond, cond), else 1
+    num_rows: int
+    #: the image at working resolution (RGB) and its binarised mask ("L", {0, 255})
+    image: Image.Image
+    mask: Image.Image
+    #: latent-resolution mask, (1, 1, h, w) float in {0, 1}; token masks are derived from it
+    latent_mask: torch.Tensor
+    #: the input image and mask at their own size, restored by post-processing (set by the
+    #: pipeline; equal to image/mask when no resize was needed)
+    original_image: Image.Image | None = None
+    original_mask: Image.Image | None = None
+    step_index: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+    @property
+    def is_done(self) -> bool:
+        return self.step_index >= self.num_steps
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests may share a denoising batch only if these agree (latent shape, text length)."""
+        text = self.cond.get("prompt_embeds")
+        return (tuple(self.latents.shape), None if text is None else tuple(text.shape[1:]))

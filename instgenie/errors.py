@@ -1,0 +1,44 @@
+"""Typed errors. Every user-facing failure is one of these, with a precise message.
+
+Invariant: a `ValidationError` is raised before any model work starts for the request, so a
+rejected request has consumed no GPU time and left no state behind.
+"""
+
+from __future__ import annotations
+
+
+class InstGenIEError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+    #: machine-readable code, stable across releases (used by the REST layer)
+    code: str = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ValidationError(InstGenIEError):
+    """The request is malformed: bad image/mask bytes, sizes, ranges. Maps to HTTP 422.
+
+    `field` names the offending input (e.g. "mask", "num_inference_steps").
+    """
+
+    code = "invalid_request"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+class ModelLoadError(InstGenIEError):
+    """A model could not be built or loaded (unknown family, bad directory, missing files)."""
+
+    code = "model_load_error"
+
+
+class BatchError(InstGenIEError):
+    """Requests that cannot share one denoising batch (e.g. different latent resolutions)."""
+
+    code = "batch_error"

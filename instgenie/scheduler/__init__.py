@@ -1,0 +1,1 @@
+"""Request routing across GPU workers: latency cost models, routing policies, worker state."""

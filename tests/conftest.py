@@ -1,0 +1,67 @@
+"""Shared fixtures: synthetic images/masks and session-cached tiny pipelines."""
+
+from __future__ import annotations
+
+import functools
+import io
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from instgenie.engine.pipeline import EditPipeline
+
+FAMILIES = ("sd2-inpaint", "sdxl-inpaint", "flux-fill")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--gpu", action="store_true", help="run tests marked gpu (needs CUDA)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--gpu"):
+        return
+    skip = pytest.mark.skip(reason="GPU test: run with --gpu on a CUDA machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def png_bytes(img: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def make_image(width: int = 128, height: int = 128, seed: int = 0) -> Image.Image:
+    """A structured RGB test image: gradients, shapes and mild noise (never constant)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    base = np.stack([x, y, 0.5 + 0.5 * np.sin(6 * (x + y) + seed)], axis=-1)
+    arr = (base * 200 + rng.normal(0, 8, base.shape)).clip(0, 255).astype(np.uint8)
+    img = Image.fromarray(arr, "RGB")
+    draw = ImageDraw.Draw(img)
+    cx, cy = rng.integers(width // 4, 3 * width // 4), rng.integers(height // 4, 3 * height // 4)
+    draw.ellipse([cx - width // 6, cy - height // 6, cx + width // 6, cy + height // 6],
+                 fill=tuple(int(v) for v in rng.integers(0, 255, 3)))  # fmt: skip
+    return img
+
+
+def make_mask(width: int = 128, height: int = 128, box: tuple[float, ...] = (0.25, 0.3, 0.7, 0.75)):
+    """White (edit) rectangle given as fractions (x0, y0, x1, y1) on black."""
+    m = Image.new("L", (width, height), 0)
+    x0, y0, x1, y1 = box
+    ImageDraw.Draw(m).rectangle(
+        [int(x0 * width), int(y0 * height), int(x1 * width) - 1, int(y1 * height) - 1], fill=255
+    )
+    return m
+
+
+@functools.cache
+def tiny_pipeline(family: str) -> EditPipeline:
+    return EditPipeline.load(f"{family}:tiny")
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
