@@ -1,8 +1,12 @@
 """The step-split editing pipeline: pre-process -> denoise_step(batch) x N -> post-process.
 
-`EditPipeline` owns validation and image I/O and delegates model work to a family adapter. The
-three stages are separate calls so that a serving loop can run pre/post-processing elsewhere and
-step a batch whose members joined at different times.
+`EditPipeline` owns validation, image I/O, templates and path selection, and delegates model work
+to a family adapter. The three stages are separate calls so that a serving loop can run
+pre/post-processing elsewhere and step a batch whose members joined at different times.
+
+Path selection: an edit on a registered template whose cache is ready and matches the edit's step
+schedule, resolution and CFG rows runs "masked" (computes its masked tokens, the rest from the
+cache); otherwise it runs "full". A full run of a template's capture spec records the cache.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from instgenie.cache.store import ActivationStore, InMemoryStore, TemplateMeta
 from instgenie.config import LimitsConfig
 from instgenie.engine.family import ModelFamily, load_family
 from instgenie.engine.imageio import (
@@ -23,7 +28,9 @@ from instgenie.engine.imageio import (
     mask_ratio,
     paste_back,
 )
+from instgenie.engine.masked.tokens import pixel_mask_tensor
 from instgenie.engine.request import EditRequest, RequestState
+from instgenie.engine.templates import TemplateRecord, TemplateSpec, template_key
 from instgenie.errors import ValidationError
 
 MAX_SEED = 2**63 - 1
@@ -39,12 +46,24 @@ class EditResult:
     #: fraction of the image's pixels marked for editing
     mask_ratio: float
     num_steps: int
+    #: "masked" or "full"
+    path: str
+    #: "hit" (read a template cache), "miss" (template given, cache not usable), None (no template)
+    cache: str | None
 
 
 class EditPipeline:
-    def __init__(self, family: ModelFamily, limits: LimitsConfig | None = None) -> None:
+    def __init__(
+        self,
+        family: ModelFamily,
+        limits: LimitsConfig | None = None,
+        store: ActivationStore | None = None,
+    ) -> None:
         self.family = family
         self.limits = limits or LimitsConfig()
+        self.store = store if store is not None else InMemoryStore(family.device)
+        family.masked.store = self.store
+        self.templates: dict[str, TemplateRecord] = {}
 
     @classmethod
     def load(
@@ -56,20 +75,14 @@ class EditPipeline:
     ) -> EditPipeline:
         return cls(load_family(model, device=device, dtype=dtype), limits)
 
-    # ---- pre-process ---------------------------------------------------------------------------
-    def validate(self, req: EditRequest) -> tuple[Image.Image, Image.Image, int, int]:
-        """Check every field; decode image and mask. Returns (image, mask, height, width)."""
+    # ---- validation ----------------------------------------------------------------------------
+    def _check_fields(self, req: EditRequest | TemplateSpec) -> None:
         lim = self.limits
         _check_text("prompt", req.prompt, lim.max_prompt_chars, required=True)
         _check_text("negative_prompt", req.negative_prompt, lim.max_prompt_chars, required=False)
-        if (
-            isinstance(req.seed, bool)
-            or not isinstance(req.seed, int)
-            or not 0 <= req.seed <= MAX_SEED
-        ):
-            raise ValidationError(
-                "seed", f"must be an integer in [0, {MAX_SEED}], got {req.seed!r}"
-            )
+        seed = req.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise ValidationError("seed", f"must be an integer in [0, {MAX_SEED}], got {seed!r}")
         steps = req.num_inference_steps
         if steps is not None and (
             isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= lim.max_steps
@@ -84,16 +97,30 @@ class EditPipeline:
             )
         if not 0.0 < float(req.strength) <= 1.0:
             raise ValidationError("strength", f"must be in (0, 1], got {req.strength!r}")
+
+    def validate(self, req: EditRequest) -> tuple[Image.Image, Image.Image, int, int]:
+        """Check every field; decode image and mask. Returns (image, mask, height, width)."""
+        self._check_fields(req)
         if req.output_format.lower() not in OUTPUT_FORMATS:
             raise ValidationError(
                 "output_format", f"{req.output_format!r} is not one of png, jpeg, webp"
             )
-        image = decode_image(req.image, lim, "image")
-        mask = decode_mask(req.mask, image.size, lim, "mask")
+        if req.template_id is not None:
+            record = self.templates.get(req.template_id)
+            if record is None:
+                raise ValidationError(
+                    "template_id", f"no template {req.template_id!r} is registered"
+                )
+            image = record.image if req.image is None else decode_image(req.image, self.limits)
+        elif req.image is None:
+            raise ValidationError("image", "is required when no template_id is given")
+        else:
+            image = decode_image(req.image, self.limits)
+        mask = decode_mask(req.mask, image.size, self.limits, "mask")
         height, width = self._working_size(req, image)
         return image, mask, height, width
 
-    def _working_size(self, req: EditRequest, image: Image.Image) -> tuple[int, int]:
+    def _working_size(self, req: EditRequest | TemplateSpec, image: Image.Image) -> tuple[int, int]:
         g = self.family.granule
         w, h = image.size
         height = req.height if req.height is not None else h - h % g
@@ -108,20 +135,106 @@ class EditPipeline:
                 raise ValidationError(name, f"{width}x{height} exceeds the pixel limit")
         return height, width
 
-    def preprocess(self, req: EditRequest) -> RequestState:
-        image, mask, height, width = self.validate(req)
+    # ---- templates -----------------------------------------------------------------------------
+    def register_template(self, spec: TemplateSpec) -> str:
+        """Validate and record a template; returns its key. The cache is built by running
+        `capture_state(key)` (alone or batched with other requests) or `build_template`."""
+        self._check_fields(spec)
+        image = decode_image(spec.image, self.limits, "image")
+        mask = None if spec.mask is None else decode_mask(spec.mask, image.size, self.limits)
+        height, width = self._working_size(spec, image)
+        fam = self.family
+        steps, guidance = fam.resolve_steps_guidance(spec.num_inference_steps, spec.guidance_scale)
+        cfg = guidance > 1.0 and fam.backbone_name == "unet"
+        key = template_key(
+            str(fam.spec), fam.pipe.scheduler.config, image, mask, spec,
+            height=height, width=width, num_steps=steps, cfg=cfg,
+            cache_dtype=str(self.store_dtype()),
+        )  # fmt: skip
+        self.templates.setdefault(key, TemplateRecord(key, spec, image, height, width))
+        return key
+
+    def store_dtype(self) -> torch.dtype:
+        return getattr(self.store, "dtype", None) or self.family.dtype
+
+    def capture_state(self, key: str) -> RequestState | None:
+        """A full run of the template's spec that records its cache; None if the cache is
+        already ready or being built."""
+        if self.store.status(key) != "absent":
+            return None
+        rec = self.templates[key]
+        spec = rec.spec
+        image = rec.image
+        if spec.mask is None:
+            mask = Image.new("L", image.size, 0)
+        else:
+            mask = decode_mask(spec.mask, image.size, self.limits)
+        req = EditRequest(
+            uid=f"capture:{key[:16]}", image=None, mask=mask, prompt=spec.prompt,
+            negative_prompt=spec.negative_prompt, seed=spec.seed,
+            num_inference_steps=spec.num_inference_steps, guidance_scale=spec.guidance_scale,
+            strength=spec.strength, height=rec.height, width=rec.width,
+        )  # fmt: skip
+        state = self._prepare(req, image, mask, rec.height, rec.width)
+        meta = TemplateMeta(
+            num_steps=state.num_steps,
+            num_rows=state.num_rows,
+            timesteps=tuple(state.timesteps.tolist()),
+            latent_shape=tuple(state.latents.shape),
+        )
+        state.writer = self.store.writer(key, meta)
+        return state
+
+    def build_template(self, spec: TemplateSpec) -> str:
+        """Register and capture synchronously (a convenience for scripts and tests)."""
+        key = self.register_template(spec)
+        state = self.capture_state(key)
+        while state is not None and not state.is_done:
+            self.denoise_step([state])
+        return key
+
+    # ---- pre-process ---------------------------------------------------------------------------
+    def _prepare(
+        self, req: EditRequest, image: Image.Image, mask: Image.Image, height: int, width: int
+    ) -> RequestState:
         work_image, work_mask = image, mask
         if image.size != (width, height):
             work_image = image.resize((width, height), Image.Resampling.LANCZOS)
             work_mask = mask.resize((width, height), Image.Resampling.NEAREST)
-            if not any(work_mask.getdata()):
-                raise ValidationError(
-                    "mask", f"becomes empty at the working resolution {width}x{height}"
-                )
         with torch.inference_mode():
             state = self.family.prepare(req, work_image, work_mask, height, width)
         state.original_image, state.original_mask = image, mask
         return state
+
+    def preprocess(self, req: EditRequest) -> RequestState:
+        image, mask, height, width = self.validate(req)
+        state = self._prepare(req, image, mask, height, width)
+        if not state.mask.getbbox():
+            raise ValidationError(
+                "mask", f"becomes empty at the working resolution {width}x{height}"
+            )
+        if req.template_id is not None:
+            self._select_path(state, req.template_id)
+        return state
+
+    def _select_path(self, state: RequestState, key: str) -> None:
+        """Masked path if the template's cache is ready and structurally matches the edit."""
+        state.extras["cache"] = "miss"
+        if self.store.status(key) != "ready":
+            return
+        meta = self.store.meta(key)
+        masks = self.family.token_masks(pixel_mask_tensor(state.mask))
+        if (
+            meta.timesteps != tuple(state.timesteps.tolist())
+            or meta.latent_shape != tuple(state.latents.shape)
+            or meta.num_rows < state.num_rows
+            or any(L not in masks for L, _ in meta.block_shapes.values())
+        ):
+            return
+        state.path, state.cache_key = "masked", key
+        state.token_index = {L: m.nonzero().squeeze(1) for L, m in masks.items()}
+        state.edit_mask = self.family.edit_mask(masks, state)
+        state.extras["cache"] = "hit"
 
     # ---- denoise -------------------------------------------------------------------------------
     def denoise_step(self, batch: Sequence[RequestState]) -> None:
@@ -129,6 +242,10 @@ class EditPipeline:
         active = [s for s in batch if not s.is_done]
         with torch.inference_mode():
             self.family.denoise_step(active)
+        for s in active:
+            if s.writer is not None and s.is_done:
+                s.writer.commit()
+                s.writer = None
 
     # ---- post-process --------------------------------------------------------------------------
     def postprocess(self, batch: Sequence[RequestState]) -> list[EditResult]:
@@ -149,16 +266,25 @@ class EditPipeline:
                     image=img,
                     mask_ratio=mask_ratio(mask),
                     num_steps=state.num_steps,
+                    path=state.path,
+                    cache=state.extras.get("cache"),
                 )
             )
         return results
 
     # ---- convenience ---------------------------------------------------------------------------
     def run(self, requests: Sequence[EditRequest]) -> list[EditResult]:
-        """Run requests to completion together (every step batches all unfinished requests)."""
+        """Run requests to completion together (every step batches all unfinished requests).
+        A referenced template whose cache is absent is captured in the same batch."""
         states = [self.preprocess(r) for r in requests]
-        while not all(s.is_done for s in states):
-            self.denoise_step(states)
+        captures = []
+        for key in dict.fromkeys(r.template_id for r in requests if r.template_id):
+            cap = self.capture_state(key)
+            if cap is not None:
+                captures.append(cap)
+        everything = states + captures
+        while not all(s.is_done for s in everything):
+            self.denoise_step(everything)
         return self.postprocess(states)
 
 

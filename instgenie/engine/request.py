@@ -19,7 +19,8 @@ from instgenie.engine.imageio import ImageInput
 @dataclass(frozen=True)
 class EditRequest:
     uid: str
-    image: ImageInput
+    #: the template image; may be None when `template_id` names a registered template
+    image: ImageInput | None
     #: native polarity: white (>= 128) = edit, black = keep
     mask: ImageInput
     prompt: str
@@ -37,6 +38,8 @@ class EditRequest:
     #: copy unmasked pixels of the input into the output
     paste_back: bool = True
     output_format: str = "png"
+    #: a registered template (EditPipeline.register_template); its cache makes the edit masked
+    template_id: str | None = None
 
 
 @dataclass
@@ -71,6 +74,17 @@ class RequestState:
     original_mask: Image.Image | None = None
     step_index: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
+    # ---- mask-aware execution (set by the pipeline's path selection) ----
+    #: "masked" (computes its masked tokens, the rest from cache_key's template) or "full"
+    path: str = "full"
+    #: template cache this request reads; None on the full path
+    cache_key: str | None = None
+    #: {L: int64 indices of the request's masked tokens at the resolution with L tokens} (CPU)
+    token_index: dict[int, torch.Tensor] | None = None
+    #: bool, broadcastable to `latents`: True where the latents are edited (computed)
+    edit_mask: torch.Tensor | None = None
+    #: capture sink: this (full) run records its block outputs and latents
+    writer: Any = None
 
     @property
     def num_steps(self) -> int:

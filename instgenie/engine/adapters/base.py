@@ -13,6 +13,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from instgenie.engine.family import ModelSpec
+from instgenie.engine.masked.executor import MaskedExecutor
 from instgenie.errors import ModelLoadError, ValidationError
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class AdapterBase:
     default_guidance: ClassVar[float]
     #: keyword arguments for pipeline_cls(...) and from_pretrained(...)
     pipeline_kwargs: ClassVar[dict[str, Any]] = {}
+    #: attribute of the pipeline holding the denoising backbone ("unet" / "transformer")
+    backbone_name: ClassVar[str]
 
     def __init__(
         self, spec: ModelSpec, pipe: DiffusionPipeline, device: torch.device, dtype: torch.dtype
@@ -59,6 +62,9 @@ class AdapterBase:
         self.device = device
         self.dtype = dtype
         pipe.set_progress_bar_config(disable=True)
+        self.backbone = getattr(pipe, self.backbone_name)
+        #: hooks every transformer block; inert unless a step needs masked execution or capture
+        self.masked = MaskedExecutor(self.backbone, device)
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod

@@ -24,6 +24,8 @@ from PIL import Image
 from instgenie.engine import textenc
 from instgenie.engine.adapters.base import WEIGHTS_SEED, AdapterBase
 from instgenie.engine.build import build_seeded
+from instgenie.engine.masked.context import use_context
+from instgenie.engine.masked.tokens import flux_token_masks
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.schedule import flow_match_step
 from instgenie.errors import BatchError
@@ -110,6 +112,7 @@ class FluxFill(AdapterBase):
     scheduler_cls = FlowMatchEulerDiscreteScheduler
     gpu_dtype = torch.bfloat16
     default_guidance = 30.0
+    backbone_name = "transformer"
 
     @classmethod
     def build_components(cls, size: str, *, device: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -216,20 +219,31 @@ class FluxFill(AdapterBase):
         hidden = torch.cat((latents, cond["masked_image_latents"]), dim=2)
         # diffusers: timestep = t.to(latents.dtype) / 1000, computed in the latents' dtype
         timestep = t.to(dev).to(latents.dtype) / 1000
-        out = self.transformer(
-            hidden_states=hidden,
-            timestep=timestep,
-            guidance=cond["guidance"] if self.transformer.config.guidance_embeds else None,
-            pooled_projections=cond["pooled_projections"],
-            encoder_hidden_states=cond["prompt_embeds"],
-            txt_ids=batch[0].extras["txt_ids"],
-            img_ids=batch[0].extras["img_ids"],
-            return_dict=False,
-        )[0]
+        with use_context(self.masked.context(batch)):
+            out = self.transformer(
+                hidden_states=hidden,
+                timestep=timestep,
+                guidance=cond["guidance"] if self.transformer.config.guidance_embeds else None,
+                pooled_projections=cond["pooled_projections"],
+                encoder_hidden_states=cond["prompt_embeds"],
+                txt_ids=batch[0].extras["txt_ids"],
+                img_ids=batch[0].extras["img_ids"],
+                return_dict=False,
+            )[0]
         new = flow_match_step(out, latents, sig.to(dev), sig_next.to(dev))
         for i, s in enumerate(batch):
             s.latents = new[i : i + 1]
             s.step_index += 1
+        self.masked.after_step(batch)
+
+    # ---- mask-aware execution ----------------------------------------------------------------
+    def token_masks(self, mask: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{L: bool (L,)} for the packed 2x2-latent token grid."""
+        return flux_token_masks(mask, self.pipe.vae_scale_factor)
+
+    def edit_mask(self, masks: dict[int, torch.Tensor], state: RequestState) -> torch.Tensor:
+        L = state.latents.shape[1]
+        return masks[L].reshape(1, L, 1).to(self.device)
 
     def decode(self, batch: list[RequestState]) -> list[Image.Image]:
         height, width = batch[0].extras["size"]

@@ -19,6 +19,8 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint impo
 from PIL import Image
 
 from instgenie.engine.adapters.base import AdapterBase
+from instgenie.engine.masked.context import use_context
+from instgenie.engine.masked.tokens import unet_token_masks
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.schedule import euler_scale_input, euler_step
 from instgenie.errors import BatchError, ModelLoadError
@@ -28,6 +30,7 @@ class UNetInpaintAdapter(AdapterBase):
     scheduler_cls = EulerDiscreteScheduler
     gpu_dtype = torch.float16
     default_guidance = 7.5
+    backbone_name = "unet"
 
     @classmethod
     def _check_pipeline(cls, pipe: Any) -> None:
@@ -139,9 +142,10 @@ class UNetInpaintAdapter(AdapterBase):
         x = euler_scale_input(x, sig.repeat_interleave(rows).to(dev))
         cond = {k: torch.cat([s.cond[k] for s in batch]) for k in batch[0].cond}
         x = torch.cat([x, cond["mask"], cond["masked_image_latents"]], dim=1)
-        out = self.unet(
-            x, t.repeat_interleave(rows).to(dev), return_dict=False, **self.unet_kwargs(cond)
-        )[0]
+        with use_context(self.masked.context(batch)):
+            out = self.unet(
+                x, t.repeat_interleave(rows).to(dev), return_dict=False, **self.unet_kwargs(cond)
+            )[0]
 
         eps, off = [], 0
         for s in batch:
@@ -157,6 +161,17 @@ class UNetInpaintAdapter(AdapterBase):
         for i, s in enumerate(batch):
             s.latents = new[i : i + 1]
             s.step_index += 1
+        self.masked.after_step(batch)
+
+    # ---- mask-aware execution ----------------------------------------------------------------
+    def token_masks(self, mask: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{L: bool (L,)} for the latent grid and every UNet resolution below it."""
+        levels = len(self.unet.config.block_out_channels)
+        return unet_token_masks(mask, self.pipe.vae_scale_factor, levels)
+
+    def edit_mask(self, masks: dict[int, torch.Tensor], state: RequestState) -> torch.Tensor:
+        h, w = state.latents.shape[-2:]
+        return masks[h * w].reshape(1, 1, h, w).to(self.device)
 
     # ---- post-process ------------------------------------------------------------------------
     def decode(self, batch: list[RequestState]) -> list[Image.Image]:

@@ -1,0 +1,146 @@
+"""Activation store interface and the in-memory store.
+
+A template's cache holds, for every denoising step s and every hooked transformer block b, the
+block's output Y for all image tokens and every CFG row: a tensor (num_rows, L_b, C_b) in the
+cache dtype; plus the template's latents after each step (used to keep unmasked latents on the
+template's trajectory). Entries are written once by a capture run and read many times.
+
+State machine per key: absent -> building (a writer exists) -> ready (commit) ; building -> absent
+(abort). Readers only ever see ready entries.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class TemplateMeta:
+    """What an edit must match to read a template's cache (set when the writer is created), and
+    shape information filled in by the capture."""
+
+    num_steps: int
+    num_rows: int
+    #: the capture's timestep table; an edit reads the cache only with an identical schedule
+    timesteps: tuple[float, ...] = ()
+    #: the capture's latent shape (resolution)
+    latent_shape: tuple[int, ...] = ()
+    #: block id -> (L tokens, C channels)
+    block_shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+class CacheWriter(Protocol):
+    def put_block(self, step: int, block_id: int, y: torch.Tensor) -> None: ...
+    def put_latents(self, step: int, latents: torch.Tensor) -> None: ...
+    def commit(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+class ActivationStore(Protocol):
+    def status(self, key: str) -> str:
+        """ "ready", "building" or "absent"."""
+        ...
+
+    def writer(self, key: str, meta: TemplateMeta) -> CacheWriter: ...
+    def meta(self, key: str) -> TemplateMeta: ...
+    def block(self, key: str, step: int, block_id: int) -> torch.Tensor: ...
+    def latents(self, key: str, step: int) -> torch.Tensor: ...
+    def delete(self, key: str) -> None: ...
+
+
+class _Entry:
+    def __init__(self, meta: TemplateMeta) -> None:
+        self.meta = meta
+        self.blocks: dict[tuple[int, int], torch.Tensor] = {}
+        self.latents: dict[int, torch.Tensor] = {}
+
+
+class InMemoryStore:
+    """Every entry lives on one device (GPU memory: the ideal case of paper §6.3; or CPU)."""
+
+    def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+        self.device = torch.device(device)
+        #: storage dtype; None = the activations' own dtype
+        self.dtype = dtype
+        self._ready: dict[str, _Entry] = {}
+        self._building: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+
+    def status(self, key: str) -> str:
+        with self._lock:
+            if key in self._ready:
+                return "ready"
+            return "building" if key in self._building else "absent"
+
+    def writer(self, key: str, meta: TemplateMeta) -> _MemoryWriter:
+        with self._lock:
+            if key in self._ready or key in self._building:
+                state = "ready" if key in self._ready else "building"
+                raise KeyError(f"template cache {key[:12]} is already {state}")
+            entry = _Entry(meta)
+            self._building[key] = entry
+        return _MemoryWriter(self, key, entry)
+
+    def meta(self, key: str) -> TemplateMeta:
+        return self._ready[key].meta
+
+    def block(self, key: str, step: int, block_id: int) -> torch.Tensor:
+        return self._ready[key].blocks[(step, block_id)]
+
+    def latents(self, key: str, step: int) -> torch.Tensor:
+        return self._ready[key].latents[step]
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._ready.pop(key, None)
+            self._building.pop(key, None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.meta.nbytes for e in self._ready.values())
+
+    def _store(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(device=self.device, dtype=self.dtype or t.dtype, copy=True)
+
+    def _finish(self, key: str, entry: _Entry, ok: bool) -> None:
+        with self._lock:
+            if self._building.get(key) is not entry:
+                return
+            del self._building[key]
+            if ok:
+                self._ready[key] = entry
+
+
+class _MemoryWriter:
+    def __init__(self, store: InMemoryStore, key: str, entry: _Entry) -> None:
+        self.store, self.key, self.entry = store, key, entry
+
+    def put_block(self, step: int, block_id: int, y: torch.Tensor) -> None:
+        t = self.store._store(y)
+        self.entry.blocks[(step, block_id)] = t
+        self.entry.meta.block_shapes[block_id] = (int(t.shape[1]), int(t.shape[2]))
+        self.entry.meta.nbytes += t.numel() * t.element_size()
+
+    def put_latents(self, step: int, latents: torch.Tensor) -> None:
+        t = self.store._store(latents)
+        self.entry.latents[step] = t
+        self.entry.meta.nbytes += t.numel() * t.element_size()
+
+    def commit(self) -> None:
+        meta = self.entry.meta
+        expected = meta.num_steps * len(meta.block_shapes)
+        if len(self.entry.blocks) != expected or len(self.entry.latents) != meta.num_steps:
+            self.abort()
+            raise RuntimeError(
+                f"incomplete capture: {len(self.entry.blocks)}/{expected} block outputs, "
+                f"{len(self.entry.latents)}/{meta.num_steps} latents"
+            )
+        self.store._finish(self.key, self.entry, ok=True)
+
+    def abort(self) -> None:
+        self.store._finish(self.key, self.entry, ok=False)

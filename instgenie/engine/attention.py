@@ -1,0 +1,134 @@
+"""Varlen masked-query attention with selectable backends, as one torch custom op.
+
+Request i of a packed batch attends from its n_q,i query rows (its masked tokens) to its n_k,i
+key/value rows (all its tokens): q (total_q, H, D), k/v (total_k, H, D), int32 offsets
+cu_seqlens_q/k (B + 1,). Backends:
+
+- "triton": triton_kernels/varlen_attention.py (default on CUDA);
+- "flash":  flash-attn's flash_attn_varlen_func, where installed (fp16/bf16, CUDA);
+- "sdpa":   a per-request loop over torch's scaled_dot_product_attention (any device; default on
+            CPU and wherever Triton is unavailable).
+
+Registering the op (instead of calling a backend directly) gives every backend one FLOP formula,
+so `torch.utils.flop_counter.FlopCounterMode` counts masked attention exactly, Triton included.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
+
+from instgenie import env
+
+BACKENDS = ("auto", "triton", "flash", "sdpa")
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton_kernels.varlen_attention  # noqa: F401
+    except Exception:  # triton missing or broken: fall back to SDPA
+        return False
+    return True
+
+
+@functools.cache
+def _flash_fn():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:
+        return None
+    return flash_attn_varlen_func
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The backend that `name` selects on `device` (never "auto")."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "sdpa"
+    if name == "triton" and not _triton_available():
+        raise RuntimeError("attention backend 'triton' requested but triton is unavailable")
+    if name == "flash" and _flash_fn() is None:
+        raise RuntimeError("attention backend 'flash' requested but flash-attn is not installed")
+    return name
+
+
+def _sdpa_loop(q, k, v, cu_q: list[int], cu_k: list[int], scale: float) -> torch.Tensor:
+    out = q.new_empty(q.shape)
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        if q1 == q0:
+            continue
+        # (n, H, D) -> (1, H, n, D)
+        qi = q[q0:q1].transpose(0, 1).unsqueeze(0)
+        ki = k[k0:k1].transpose(0, 1).unsqueeze(0)
+        vi = v[k0:k1].transpose(0, 1).unsqueeze(0)
+        oi = F.scaled_dot_product_attention(qi, ki, vi, scale=scale)
+        out[q0:q1] = oi.squeeze(0).transpose(0, 1)
+    return out
+
+
+@torch.library.custom_op("instgenie::varlen_attention", mutates_args=())
+def varlen_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    if backend == "triton":
+        from triton_kernels.varlen_attention import varlen_attention
+
+        return varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale
+        )
+    if backend == "flash":
+        return _flash_fn()(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale
+        )
+    return _sdpa_loop(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), scale)
+
+
+@varlen_attention_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend):
+    return q.new_empty(q.shape)
+
+
+@register_flop_formula(torch.ops.instgenie.varlen_attention, get_raw=True)
+def _varlen_flops(q, k, v, cu_q, cu_k, *args, **kwargs) -> int:
+    """QK^T and PV: 2 matmuls of sum_i n_q,i * n_k,i * H * D multiply-adds, 2 FLOPs each."""
+    heads, dim = q.shape[1], q.shape[2]
+    nq = cu_q.diff().to(torch.int64)
+    nk = cu_k.diff().to(torch.int64)
+    return int(4 * heads * dim * (nq * nk).sum().item())
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Dispatch to the selected backend (None = INSTGENIE_ATTENTION_BACKEND, default auto)."""
+    chosen = resolve_backend(backend or env.attention_backend(), q.device)
+    if chosen == "flash" and q.dtype not in (torch.float16, torch.bfloat16):
+        chosen = "sdpa"  # flash-attn has no fp32/fp64 path
+    if chosen == "triton" and q.dtype == torch.float64:
+        chosen = "sdpa"  # the kernel supports fp32/fp16/bf16
+    return varlen_attention_op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(scale),
+        chosen,
+    )  # fmt: skip

@@ -1,0 +1,213 @@
+"""The per-step context that masked blocks read: which rows compute which tokens, where cached
+rows come from, which blocks compute all tokens, and where captured outputs go.
+
+One `StepContext` exists per denoising step of a batch; blocks find it through a context
+variable, so the diffusers model code in between is untouched. Without a context, hooked blocks
+run their stock forward (bit-identical to unhooked diffusers).
+
+Row layout: the batch's R rows are the requests' CFG rows, each request's rows adjacent
+(uncond first), in batch order. Packed tokens: for token count L, the masked tokens of row 0,
+then of row 1, ...; a row not reading the cache contributes all L tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from instgenie.cache.store import ActivationStore, CacheWriter
+
+_CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
+    "instgenie_step_context", default=None
+)
+
+
+def current_context() -> StepContext | None:
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def use_context(ctx: StepContext | None) -> Iterator[None]:
+    token = _CURRENT.set(ctx)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+@dataclass
+class RequestRows:
+    """One request's slice of the batch for this step."""
+
+    #: first row in the batch and number of rows (CFG rows)
+    start: int
+    num_rows: int
+    #: the step index the request is at
+    step: int
+    #: key of the template cache it reads (masked mode), else None (computes all tokens)
+    cache_key: str | None = None
+    #: {L: token indices (n_L,) int64, CPU} of its masked tokens; required with cache_key
+    token_index: dict[int, torch.Tensor] | None = None
+    #: where its block outputs go (capture), else None
+    writer: CacheWriter | None = None
+
+
+@dataclass
+class TokenSet:
+    """Packed masked tokens of all rows for one token count L (indices on the model's device)."""
+
+    L: int
+    #: (T,) int64 indices into the batch flattened to (R * L, C)
+    flat_idx: torch.Tensor
+    #: (T,) int64 row of each packed token
+    row_of: torch.Tensor
+    #: (R + 1,) int32 cumulative query counts, and cumulative key counts (r * L)
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    num_rows: int
+
+    @property
+    def total(self) -> int:
+        return int(self.flat_idx.shape[0])
+
+
+@dataclass
+class JointSet:
+    """Flux joint sequences: per row, queries [text (Tt); masked image tokens], keys
+    [text (Tt); all image tokens (L)]. Indices on the model's device."""
+
+    #: (Q,) indices into the batch's joint tokens flattened to (R * (Tt + L), C), Q = R*Tt + T
+    sel: torch.Tensor
+    #: (R * Tt,) and (T,) positions of text / image queries within the packed Q order
+    txt_pos: torch.Tensor
+    img_pos: torch.Tensor
+    #: (Q,) position of each query within its row's joint sequence (indexes the RoPE tables)
+    pos_in_row: torch.Tensor
+    #: (Q,) row of each query
+    row_of: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+
+
+class StepContext:
+    def __init__(
+        self,
+        requests: list[RequestRows],
+        store: ActivationStore | None,
+        device: torch.device,
+        compute_all: frozenset[int] = frozenset(),
+        attention_backend: str | None = None,
+    ) -> None:
+        self.requests = requests
+        self.store = store
+        self.device = device
+        self.compute_all = compute_all
+        self.attention_backend = attention_backend
+        self.num_rows = sum(r.num_rows for r in requests)
+        self.reads_cache = any(r.cache_key is not None for r in requests)
+        self.capturing = any(r.writer is not None for r in requests)
+        self._tokens: dict[int, TokenSet] = {}
+        self._joint: dict[tuple[int, int], JointSet] = {}
+        #: block id -> bool "ran masked" (observability and tests)
+        self.masked_blocks: list[int] = []
+
+    def is_masked(self, block_id: int) -> bool:
+        """Whether this block computes masked tokens only (some row reads the cache and the
+        plan does not say "compute all tokens" for it)."""
+        return self.reads_cache and block_id not in self.compute_all
+
+    def tokens(self, L: int) -> TokenSet:
+        ts = self._tokens.get(L)
+        if ts is None:
+            ts = self._tokens[L] = self._build_tokens(L)
+        return ts
+
+    def _build_tokens(self, L: int) -> TokenSet:
+        idx, rows, counts = [], [], []
+        full = torch.arange(L)
+        for req in self.requests:
+            if req.cache_key is not None:
+                try:
+                    own = req.token_index[L]
+                except KeyError:
+                    raise RuntimeError(f"no token mask for L={L} tokens") from None
+            else:
+                own = full
+            for j in range(req.num_rows):
+                r = req.start + j
+                idx.append(own + r * L)
+                rows.append(torch.full((own.numel(),), r, dtype=torch.int64))
+                counts.append(own.numel())
+        cu = torch.zeros(self.num_rows + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
+        cu_k = torch.arange(self.num_rows + 1, dtype=torch.int32) * L
+        dev = self.device
+        return TokenSet(
+            L=L,
+            flat_idx=torch.cat(idx).to(dev, non_blocking=True),
+            row_of=torch.cat(rows).to(dev, non_blocking=True),
+            cu_q=cu.to(dev, non_blocking=True),
+            cu_k=cu_k.to(dev, non_blocking=True),
+            max_q=max(counts) if counts else 0,
+            num_rows=self.num_rows,
+        )
+
+    def joint(self, L: int, text_len: int) -> JointSet:
+        js = self._joint.get((L, text_len))
+        if js is None:
+            js = self._joint[(L, text_len)] = self._build_joint(self.tokens(L), text_len)
+        return js
+
+    def _build_joint(self, ts: TokenSet, tt: int) -> JointSet:
+        R, L, dev = self.num_rows, ts.L, ts.flat_idx.device
+        rows = torch.arange(R, device=dev)
+        pos_img = ts.flat_idx - ts.row_of * L  # (T,) image position within its row
+        img_pos = torch.arange(ts.total, device=dev) + (ts.row_of + 1) * tt
+        q_start = ts.cu_q[:-1].to(torch.int64) + rows * tt  # first packed query of each row
+        txt_pos = (q_start[:, None] + torch.arange(tt, device=dev)[None]).reshape(-1)
+        Q = R * tt + ts.total
+        pos_in_row = torch.empty(Q, dtype=torch.int64, device=dev)
+        pos_in_row[txt_pos] = torch.arange(tt, device=dev).repeat(R)
+        pos_in_row[img_pos] = tt + pos_img
+        row_of = torch.empty(Q, dtype=torch.int64, device=dev)
+        row_of[txt_pos] = rows.repeat_interleave(tt)
+        row_of[img_pos] = ts.row_of
+        cu_rows = torch.arange(R + 1, device=dev, dtype=torch.int32)
+        return JointSet(
+            sel=row_of * (tt + L) + pos_in_row,
+            txt_pos=txt_pos,
+            img_pos=img_pos,
+            pos_in_row=pos_in_row,
+            row_of=row_of,
+            cu_q=ts.cu_q + cu_rows * tt,
+            cu_k=cu_rows * (tt + L),
+            max_q=ts.max_q + tt,
+        )
+
+    def output_buffer(self, block_id: int, like: torch.Tensor) -> torch.Tensor:
+        """(R, L, C) buffer whose cache-reading rows hold the cached block output; other rows
+        are uninitialised (their every token is computed and scattered in)."""
+        out = torch.empty_like(like)
+        for req in self.requests:
+            if req.cache_key is None:
+                continue
+            cached = self.store.block(req.cache_key, req.step, block_id)
+            rows = slice(req.start, req.start + req.num_rows)
+            if cached.shape[0] == req.num_rows:
+                out[rows].copy_(cached, non_blocking=True)
+            else:  # template captured with CFG, request without: its cond branch
+                out[rows].copy_(cached[-req.num_rows :], non_blocking=True)
+        self.masked_blocks.append(block_id)
+        return out
+
+    def record(self, block_id: int, y: torch.Tensor) -> None:
+        """Capture: hand each capturing request's rows of a block output to its writer."""
+        for req in self.requests:
+            if req.writer is not None:
+                req.writer.put_block(req.step, block_id, y[req.start : req.start + req.num_rows])

@@ -1,0 +1,160 @@
+"""Masked-token forwards of diffusers' Flux blocks (dual FluxTransformerBlock, single block).
+
+Text tokens are always computed; of the image tokens only the masked ones are queries, while
+keys/values cover every image token. Rotary embeddings: queries take the table rows of their own
+positions (`JointSet.pos_in_row`), keys the full table. Everything else (AdaLN modulation,
+projections, MLPs) is per token and runs on the packed query rows only, with each packed row's
+modulation parameters gathered from its batch row. With every token selected this reproduces the
+stock blocks (tests/test_masked_exact.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttnProcessor,
+    FluxSingleTransformerBlock,
+    FluxTransformerBlock,
+)
+
+from instgenie.engine.attention import varlen_attention
+from instgenie.engine.masked.context import JointSet, StepContext
+
+
+def check_supported(block: FluxTransformerBlock | FluxSingleTransformerBlock) -> str | None:
+    if type(block.attn.processor) is not FluxAttnProcessor:
+        return f"attention processor {type(block.attn.processor).__name__}"
+    if block.attn.fused_projections:
+        return "fused QKV projections"
+    return None
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' apply_rotary_emb (use_real, unbind -1) for x (N, H, D), cos/sin (N, D)."""
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
+    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+
+
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return x.unflatten(-1, (-1, head_dim))
+
+
+def _joint_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    js: JointSet,
+    seq: int,
+    backend: str | None,
+) -> torch.Tensor:
+    """q (Q, H, D) packed queries; k, v (R, seq, H, D) full joint sequences. Returns (Q, H*D)."""
+    cos, sin = rope
+    R = k.shape[0]
+    q = _rope(q, cos[js.pos_in_row], sin[js.pos_in_row])
+    k = apply_rotary_emb(k, rope, sequence_dim=1).reshape(R * seq, *k.shape[2:])
+    v = v.reshape(R * seq, *v.shape[2:])
+    o = varlen_attention(q, k, v, js.cu_q, js.cu_k, js.max_q, seq, q.shape[-1] ** -0.5, backend)
+    return o.to(q.dtype).flatten(1)
+
+
+def dual_masked_forward(
+    block: FluxTransformerBlock,
+    ctx: StepContext,
+    block_id: int,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if joint_attention_kwargs:
+        raise NotImplementedError("masked execution does not support joint_attention_kwargs")
+    X, E = hidden_states, encoder_hidden_states
+    R, L, C = X.shape
+    tt = E.shape[1]
+    ts, js = ctx.tokens(L), ctx.joint(L, tt)
+    attn = block.attn
+    hd = attn.head_dim
+
+    n_img, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(X, emb=temb)
+    n_txt, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(E, emb=temb)
+
+    n_img_q = n_img.reshape(R * L, C).index_select(0, ts.flat_idx)
+    q_img = attn.norm_q(_heads(attn.to_q(n_img_q), hd))
+    k_img = attn.norm_k(_heads(attn.to_k(n_img), hd))
+    v_img = _heads(attn.to_v(n_img), hd)
+    q_txt = attn.norm_added_q(_heads(attn.add_q_proj(n_txt), hd))
+    k_txt = attn.norm_added_k(_heads(attn.add_k_proj(n_txt), hd))
+    v_txt = _heads(attn.add_v_proj(n_txt), hd)
+
+    q = q_img.new_empty(js.sel.shape[0], *q_img.shape[1:])
+    q[js.txt_pos] = q_txt.reshape(R * tt, *q_txt.shape[2:])
+    q[js.img_pos] = q_img
+    k = torch.cat([k_txt, k_img], dim=1)
+    v = torch.cat([v_txt, v_img], dim=1)
+    o = _joint_attention(q, k, v, image_rotary_emb, js, tt + L, ctx.attention_backend)
+
+    # image tokens (packed)
+    row = ts.row_of
+    h = X.reshape(R * L, C).index_select(0, ts.flat_idx)
+    h = h + gate_msa[row] * attn.to_out[1](attn.to_out[0](o[js.img_pos]))
+    nh = block.norm2(h) * (1 + scale_mlp[row]) + shift_mlp[row]
+    h = h + gate_mlp[row] * block.ff(nh)
+
+    # text tokens (every row, every token)
+    ctx_attn = attn.to_add_out(o[js.txt_pos].reshape(R, tt, -1))
+    E = E + c_gate_msa.unsqueeze(1) * ctx_attn
+    ne = block.norm2_context(E) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
+    E = E + c_gate_mlp.unsqueeze(1) * block.ff_context(ne)
+    if E.dtype == torch.float16:
+        E = E.clip(-65504, 65504)
+
+    out = ctx.output_buffer(block_id, X)
+    out.view(R * L, C).index_copy_(0, ts.flat_idx, h.to(out.dtype))
+    return E, out
+
+
+def single_masked_forward(
+    block: FluxSingleTransformerBlock,
+    ctx: StepContext,
+    block_id: int,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if joint_attention_kwargs:
+        raise NotImplementedError("masked execution does not support joint_attention_kwargs")
+    X, E = hidden_states, encoder_hidden_states
+    R, L, C = X.shape
+    tt = E.shape[1]
+    seq = tt + L
+    ts, js = ctx.tokens(L), ctx.joint(L, tt)
+    attn = block.attn
+    hd = attn.head_dim
+
+    S = torch.cat([E, X], dim=1)  # (R, seq, C)
+    n, gate = block.norm(S, emb=temb)  # every token: keys/values need them
+    n_flat = n.reshape(R * seq, C)
+    n_q = n_flat.index_select(0, js.sel)
+    mlp = block.act_mlp(block.proj_mlp(n_q))
+    q = attn.norm_q(_heads(attn.to_q(n_q), hd))
+    k = attn.norm_k(_heads(attn.to_k(n), hd))
+    v = _heads(attn.to_v(n), hd)
+    o = _joint_attention(q, k, v, image_rotary_emb, js, seq, ctx.attention_backend)
+
+    h = gate[js.row_of] * block.proj_out(torch.cat([o, mlp], dim=1))
+    h = S.reshape(R * seq, C).index_select(0, js.sel) + h
+    if h.dtype == torch.float16:
+        h = h.clip(-65504, 65504)
+
+    E = h[js.txt_pos].reshape(R, tt, C)
+    out = ctx.output_buffer(block_id, X)
+    out.view(R * L, C).index_copy_(0, ts.flat_idx, h[js.img_pos].to(out.dtype))
+    return E, out

@@ -1,0 +1,72 @@
+"""Templates: an image plus the parameters of the one full run whose activations are cached.
+
+A template's cache is made by a full inference of the template image with its own caption,
+seed and step schedule, and by default an all-"keep" mask (so every token sees the template as it
+is). Edits on the template then compute only their masked tokens (paper §3).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from PIL import Image
+
+from instgenie.cache.keys import TemplateKey, pixel_digest
+from instgenie.engine.imageio import ImageInput
+
+
+@dataclass(frozen=True)
+class TemplateSpec:
+    image: ImageInput
+    #: the template's caption; "" works for inpainting models
+    prompt: str = ""
+    negative_prompt: str | None = None
+    seed: int = 0
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    strength: float = 1.0
+    #: capture mask (white = edit); None = keep everything (the default for reuse by any edit)
+    mask: ImageInput | None = None
+    height: int | None = None
+    width: int | None = None
+
+
+@dataclass
+class TemplateRecord:
+    key: str
+    spec: TemplateSpec
+    #: the decoded template image (input size)
+    image: Image.Image
+    height: int
+    width: int
+
+
+def template_key(
+    model: str,
+    scheduler_config: dict,
+    image: Image.Image,
+    mask: Image.Image | None,
+    spec: TemplateSpec,
+    *,
+    height: int,
+    width: int,
+    num_steps: int,
+    cfg: bool,
+    cache_dtype: str,
+) -> str:
+    return TemplateKey(
+        image=pixel_digest(image),
+        model=model,
+        height=height,
+        width=width,
+        scheduler=json.dumps(dict(scheduler_config), sort_keys=True, default=str),
+        num_steps=num_steps,
+        strength=float(spec.strength),
+        cfg=cfg,
+        prompt=spec.prompt,
+        negative_prompt=spec.negative_prompt or "",
+        seed=int(spec.seed),
+        capture_mask=pixel_digest(mask),
+        cache_dtype=cache_dtype,
+    ).digest

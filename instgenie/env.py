@@ -1,0 +1,11 @@
+"""Environment flags. The only place the package reads os.environ; every name has the INSTGENIE_
+prefix."""
+
+from __future__ import annotations
+
+import os
+
+
+def attention_backend() -> str:
+    """INSTGENIE_ATTENTION_BACKEND: auto | triton | flash | sdpa (default auto)."""
+    return os.environ.get("INSTGENIE_ATTENTION_BACKEND", "auto").strip().lower()
