@@ -93,6 +93,23 @@ def cmd_edit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_step(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    from instgenie.engine.pipeline import EditPipeline
+    from instgenie.engine.stepbench import bench_step
+
+    model = dataclass_from_args(ModelConfig, args)
+    pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype)
+    size = args.size or pipe.family.default_size
+    row = bench_step(pipe, args.mask_ratio, args.batch, size, args.warmup, args.iters)
+    if args.json:
+        print(json.dumps(row))
+    else:
+        for k, v in row.items():
+            print(f"{k:>14}: {v}")
+    return 0
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
@@ -121,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="default: from the output file's suffix")  # fmt: skip
     edit.add_argument("-o", "--output", required=True)
     edit.set_defaults(func=cmd_edit)
+
+    bench = sub.add_parser("bench-step", help="one denoising step, masked vs full: FLOPs and ms")
+    add_dataclass_args(bench, ModelConfig)
+    bench.add_argument("--mask-ratio", type=float, default=0.2)
+    bench.add_argument("--batch", type=int, default=1, help="requests per batch")
+    bench.add_argument("--size", type=int, default=None, help="image side; default: the model's")
+    bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--iters", type=int, default=5)
+    bench.add_argument("--json", action="store_true", help="print one JSON line")
+    bench.set_defaults(func=cmd_bench_step)
     return parser
 
 

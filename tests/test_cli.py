@@ -65,3 +65,15 @@ def test_console_script_on_bundled_sample(tmp_path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert Image.open(out).size == (256, 256)
+
+
+def test_bench_step_json(capsys) -> None:
+    code = main(["bench-step", "--model", "flux-fill:tiny", "--mask-ratio", "0.2", "--batch", "2",
+                 "--warmup", "0", "--iters", "1", "--json"])  # fmt: skip
+    assert code == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("flops_masked", "flops_full", "ms_masked", "ms_full"):
+        assert row[key] > 0, key
+    assert row["batch"] == 2 and row["token_ratio"] == pytest.approx(0.2, abs=0.01)
+    # counted, not estimated: the masked step does fewer FLOPs, but more than m of the full step
+    assert 0.2 < row["flops_masked"] / row["flops_full"] < 0.6

@@ -136,6 +136,8 @@ class FluxFill(AdapterBase):
         self.transformer = self.pipe.transformer
         self.vae = self.pipe.vae
         self.granule = self.pipe.vae_scale_factor * 2
+        #: the native resolution in pixels (square side)
+        self.default_size = int(self.vae.config.sample_size)
         # T5 sequence length: the tokenizer's own limit (512 for the released checkpoints)
         self.text_len = min(512, int(self.pipe.tokenizer_2.model_max_length))
 

@@ -50,6 +50,8 @@ class UNetInpaintAdapter(AdapterBase):
         # image sides must survive VAE downscaling and every UNet downsampler
         self.granule = self.pipe.vae_scale_factor * 2 ** (len(unet.config.block_out_channels) - 1)
         self.prediction_type = self.pipe.scheduler.config.prediction_type
+        #: the native resolution in pixels (square side)
+        self.default_size = unet.config.sample_size * self.pipe.vae_scale_factor
 
     # ---- family hooks ------------------------------------------------------------------------
     def encode_prompt(self, request: EditRequest, do_cfg: bool, height: int, width: int) -> dict:

@@ -1,0 +1,382 @@
+"""Benchmark varlen masked-query attention: the Triton kernel against torch SDPA baselines.
+
+Not a test. On CUDA each batch composition is timed with ``triton.testing.do_bench`` (median, in
+ms, after its warm-up; the L2 cache is flushed before every call) in fp16 and bf16:
+
+* ``triton``: ``varlen_attention`` on packed q (total_q, H, D).
+* ``triton_qidx``: the same kernel reading query rows through ``q_index`` from the unmasked
+  (B * L, H, D) activations (no gathered copy of q).
+* ``sdpa_loop``: one ``scaled_dot_product_attention`` call per request on (1, H, n_q, D) x
+  (1, H, n_k, D) views, each output copied into the packed result.
+* ``sdpa_padded``: queries padded to the largest n_q, one batched SDPA call; the padding and
+  unpadding copies are inside the timed region (keys need no padding: every request of a
+  composition has the same number of keys).
+* ``flash_varlen``: ``flash_attn.flash_attn_varlen_func``, only if ``import flash_attn`` works.
+
+Every variant is first checked against the fp32 torch reference (``_reference``) on fresh random
+inputs. Lengths are in tokens; a composition's fractions are the masked share of each request's
+maskable (image) tokens; keys are all L tokens (for Flux: 4096 image + 512 text).
+
+    python bench/bench_varlen_attention.py [--out PATH] [--cudagraph] [--sweep]
+    TRITON_INTERPRET=1 python bench/bench_varlen_attention.py --quick   # CPU smoke run
+
+``--cudagraph`` times CUDA-graph replays (``do_bench_cudagraph``), which removes host launch
+overhead; the eager default includes it, as eager serving would. On an H200 with torch 2.11
+the default SDPA dispatch was cuDNN attention; each row records the dispatched aten op.
+``--sweep`` also times candidate tile configurations of the kernel (to revisit
+``_pick_config``). Prints a markdown table and writes JSON to ``--out`` (default
+``$OUT/varlen_attention.json`` when OUT is set, else ``out/varlen_attention.json`` under the
+repository root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+from triton_kernels import varlen_attention as va  # noqa: E402
+
+try:
+    from flash_attn import flash_attn_varlen_func
+except Exception:  # ImportError, or a build that does not match this torch/CUDA
+    flash_attn_varlen_func = None
+
+TOLS = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2), torch.float32: (1e-4, 1e-4)}
+
+MIXES = {
+    "mixed4": [0.05, 0.2, 0.5, 1.0],
+    "ten8": [0.1] * 8,
+    "mixed8": [0.05, 0.05, 0.9, 0.3, 0.15, 0.6, 0.2, 1.0],
+    "twenty4": [0.2] * 4,
+    "full2": [1.0] * 2,
+}
+
+
+@dataclass(frozen=True)
+class Composition:
+    """A batch: every request has ``seq`` key tokens, of which ``maskable`` can be queries."""
+
+    model: str
+    heads: int
+    head_dim: int
+    seq: int
+    maskable: int
+    mix: str
+    fracs: tuple[float, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} H{self.heads} D{self.head_dim} L{self.seq} {self.mix}"
+
+    @property
+    def n_q(self) -> list[int]:
+        return [round(f * self.maskable) for f in self.fracs]
+
+    @property
+    def n_k(self) -> list[int]:
+        return [self.seq] * len(self.fracs)
+
+
+def compositions(quick: bool) -> list[Composition]:
+    if quick:
+        shapes = [("sdxl-tiny", 2, 16, 48, 48), ("flux-tiny", 2, 32, 40, 32)]
+        mixes = {k: MIXES[k] for k in ("mixed4", "twenty4")}
+    else:
+        shapes = [
+            ("sdxl", 10, 64, 4096, 4096),
+            ("sdxl", 20, 64, 1024, 1024),
+            ("flux", 24, 128, 4608, 4096),
+        ]
+        mixes = MIXES
+    return [
+        Composition(model, h, d, seq, maskable, mix, tuple(fracs))
+        for model, h, d, seq, maskable in shapes
+        for mix, fracs in mixes.items()
+    ]
+
+
+@dataclass
+class Problem:
+    """Fresh random inputs of one composition plus the metadata each variant needs."""
+
+    comp: Composition
+    src: torch.Tensor  # (B * L, H, D): every token's query; q = src[q_index]
+    q_index: torch.Tensor  # (total_q,) int32, rows of src, request-major
+    q: torch.Tensor  # (total_q, H, D) packed masked queries
+    k: torch.Tensor  # (B * L, H, D)
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    spans: list[tuple[int, int, int, int]]  # (q start, q end, k start, k end) of requests, n_q > 0
+    pad_batch: torch.Tensor  # (total_q,) int64: request of each packed query row
+    pad_pos: torch.Tensor  # (total_q,) int64: position of the row inside its request's queries
+    scale: float
+
+
+def make_problem(comp: Composition, dtype: torch.dtype, device: torch.device) -> Problem:
+    n_q, n_k, seq = comp.n_q, comp.n_k, comp.seq
+    shape = (len(n_k) * seq, comp.heads, comp.head_dim)
+    src, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
+    # Masked tokens: a random sorted subset of each request's maskable (leading) tokens.
+    index = [
+        i * seq + torch.randperm(comp.maskable, device=device)[:nq].sort().values
+        for i, nq in enumerate(n_q)
+    ]
+    q_index = torch.cat(index).to(torch.int32)
+    q = src[q_index.long()]
+    cu_q = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(n_k).cumsum(0).tolist()], dtype=torch.int32)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    spans = [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(n_q)) if n_q[i] > 0]
+    pad_batch = torch.repeat_interleave(torch.arange(len(n_q)), torch.tensor(n_q))
+    pad_pos = torch.cat([torch.arange(nq) for nq in n_q])
+    return Problem(
+        comp, src, q_index, q, k, v, cu_q.to(device), cu_k.to(device), spans,
+        pad_batch.to(device), pad_pos.to(device), comp.head_dim**-0.5,
+    )  # fmt: skip
+
+
+def run_triton(p: Problem) -> torch.Tensor:
+    c = p.comp
+    return va.varlen_attention(p.q, p.k, p.v, p.cu_q, p.cu_k, max(c.n_q), c.seq, p.scale)
+
+
+def run_triton_qidx(p: Problem) -> torch.Tensor:
+    c = p.comp
+    return va.varlen_attention(
+        p.src, p.k, p.v, p.cu_q, p.cu_k, max(c.n_q), c.seq, p.scale, q_index=p.q_index
+    )
+
+
+def run_sdpa_loop(p: Problem) -> torch.Tensor:
+    out = torch.empty_like(p.q)
+    for qs, qe, ks, ke in p.spans:
+        o = F.scaled_dot_product_attention(
+            p.q[qs:qe].transpose(0, 1)[None],
+            p.k[ks:ke].transpose(0, 1)[None],
+            p.v[ks:ke].transpose(0, 1)[None],
+            scale=p.scale,
+        )
+        out[qs:qe] = o[0].transpose(0, 1)
+    return out
+
+
+def run_sdpa_padded(p: Problem) -> torch.Tensor:
+    c = p.comp
+    n_req = len(c.fracs)
+    qp = p.q.new_zeros(n_req, max(c.n_q), c.heads, c.head_dim)
+    qp[p.pad_batch, p.pad_pos] = p.q
+    kb = p.k.view(n_req, c.seq, c.heads, c.head_dim).transpose(1, 2)
+    vb = p.v.view(n_req, c.seq, c.heads, c.head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), kb, vb, scale=p.scale)
+    return o.transpose(1, 2)[p.pad_batch, p.pad_pos]
+
+
+def run_flash_varlen(p: Problem) -> torch.Tensor:
+    c = p.comp
+    return flash_attn_varlen_func(
+        p.q, p.k, p.v, p.cu_q, p.cu_k, max(c.n_q), c.seq, softmax_scale=p.scale
+    )
+
+
+VARIANTS: dict[str, Callable[[Problem], torch.Tensor]] = {
+    "triton": run_triton,
+    "triton_qidx": run_triton_qidx,
+    "sdpa_loop": run_sdpa_loop,
+    "sdpa_padded": run_sdpa_padded,
+}
+if flash_attn_varlen_func is not None:
+    VARIANTS["flash_varlen"] = run_flash_varlen
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, cudagraph: bool, quick: bool) -> float:
+    """Median milliseconds of one call."""
+    if device.type == "cuda":
+        if cudagraph:
+            return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()  # CPU (interpreter) smoke path: host clock, few repeats
+    samples = []
+    for _ in range(2 if quick else 5):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def sdpa_ops(prob: Problem) -> list[str]:
+    """The aten SDPA backend ops (flash / cudnn / efficient / math) one padded call dispatches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run_sdpa_padded(prob)
+    names = {e.key for e in prof.key_averages()}
+    return sorted(n for n in names if n.startswith("aten::_scaled_dot_product"))
+
+
+def check(name: str, got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOLS[dtype]
+    try:
+        torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    except AssertionError as err:
+        raise AssertionError(f"{name} disagrees with the reference:\n{err}") from None
+
+
+def attention_flops(comp: Composition) -> float:
+    # Two matrix products of n_q x n_k x D per request and head, 2 flops per multiply-add.
+    pairs = sum(a * b for a, b in zip(comp.n_q, comp.n_k, strict=True))
+    return 4.0 * pairs * comp.heads * comp.head_dim
+
+
+@contextlib.contextmanager
+def forced_config(cfg: va._Config) -> Iterator[None]:
+    """Make the wrapper launch with ``cfg`` (benchmark-only monkeypatch of the heuristic)."""
+    saved = va._pick_config
+    va._pick_config = lambda block_d, dtype: cfg
+    try:
+        yield
+    finally:
+        va._pick_config = saved
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per padded head dim.
+SWEEP = {
+    64: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (64, 128, 4, 3),
+         (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)],
+    128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3),
+          (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5), (128, 128, 8, 3), (128, 32, 8, 3)],
+    # --quick (interpreter) smoke coverage of the sweep path only.
+    16: [(16, 16, 1, 1), (32, 16, 1, 1)],
+    32: [(16, 32, 1, 1)],
+}  # fmt: skip
+
+
+def sweep(comps: list[Composition], dtypes: list[torch.dtype], device: torch.device, args):
+    rows = []
+    picked = [c for c in comps if c.mix in ("mixed4", "full2")]
+    for comp in picked:
+        for dtype in dtypes:
+            prob = make_problem(comp, dtype, device)
+            ref = va._reference(prob.q, prob.k, prob.v, prob.cu_q, prob.cu_k, prob.scale)
+            for tile in SWEEP.get(comp.head_dim, []):
+                cfg = va._Config(*tile)
+                with forced_config(cfg):
+                    try:
+                        check(f"triton {tile}", run_triton(prob), ref, dtype)
+                        ms = time_ms(lambda p=prob: run_triton(p), device, args.cudagraph, False)
+                    except Exception as err:  # e.g. out of shared memory for this tile
+                        print(f"sweep {comp.name} {dtype} {tile}: {type(err).__name__}: {err}")
+                        continue
+                rows.append(
+                    {"composition": comp.name, "dtype": str(dtype).removeprefix("torch."),
+                     "config": asdict(cfg), "ms": ms,
+                     "tflops": attention_flops(comp) / ms / 1e9}
+                )  # fmt: skip
+                print(f"sweep {comp.name:32s} {rows[-1]['dtype']:8s} {tile}: {ms:.4f} ms")
+            del prob, ref
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes; also runs on CPU")
+    parser.add_argument("--out", type=Path, default=None, help="JSON output path")
+    parser.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays")
+    parser.add_argument("--sweep", action="store_true", help="also time kernel tile configs")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not va._interpreting():
+        sys.exit("no CUDA device: run with TRITON_INTERPRET=1 and --quick for a CPU smoke run")
+    if device.type != "cuda" and not args.quick:
+        sys.exit("full shapes need a GPU; use --quick under TRITON_INTERPRET=1 on CPU")
+    out_path = args.out
+    if out_path is None:
+        base = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "out"
+        out_path = base / "varlen_attention.json"
+
+    dtypes = [torch.float16, torch.bfloat16]
+    comps = compositions(args.quick)
+    rows = []
+    t_start = time.perf_counter()
+    for comp in comps:
+        for dtype in dtypes:
+            seed = int.from_bytes(os.urandom(4), "little")
+            torch.manual_seed(seed)
+            prob = make_problem(comp, dtype, device)
+            ref = va._reference(prob.q, prob.k, prob.v, prob.cu_q, prob.cu_k, prob.scale)
+            row: dict = {
+                "composition": comp.name, "model": comp.model, "heads": comp.heads,
+                "head_dim": comp.head_dim, "seq": comp.seq, "mix": comp.mix,
+                "fracs": list(comp.fracs), "n_q": comp.n_q, "n_k": comp.n_k,
+                "dtype": str(dtype).removeprefix("torch."),
+                "config": asdict(va._pick_config(max(16, triton.next_power_of_2(comp.head_dim)),
+                                                 dtype)),
+                "gflop": attention_flops(comp) / 1e9, "seed": seed,
+            }  # fmt: skip
+            row["sdpa_ops"] = sdpa_ops(prob)
+            for name, fn in VARIANTS.items():
+                check(name, fn(prob), ref, dtype)
+                row[f"{name}_ms"] = time_ms(
+                    lambda f=fn, p=prob: f(p), device, args.cudagraph, args.quick
+                )
+            del ref, prob
+            best_torch = min(row["sdpa_loop_ms"], row["sdpa_padded_ms"])
+            row["speedup_vs_best_sdpa"] = best_torch / row["triton_ms"]
+            row["triton_tflops"] = row["gflop"] / row["triton_ms"]  # GFLOP / ms = TFLOP/s
+            rows.append(row)
+            print(
+                f"{comp.name:32s} {row['dtype']:8s} triton {row['triton_ms']:.4f} ms, "
+                f"best sdpa {best_torch:.4f} ms, x{row['speedup_vs_best_sdpa']:.2f}",
+                flush=True,
+            )
+    sweep_rows = sweep(comps, dtypes, device, args) if args.sweep else []
+
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "flash_attn": None if flash_attn_varlen_func is None else "available",
+        "timing": ("do_bench_cudagraph" if args.cudagraph else "do_bench")
+        if device.type == "cuda"
+        else "perf_counter (CPU interpreter smoke run; not a performance number)",
+        "quick": args.quick,
+        "seconds": time.perf_counter() - t_start,
+        "rows": rows,
+        "sweep": sweep_rows,
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1))
+
+    names = list(VARIANTS)
+    print(f"\n{result['device']}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{result['timing']}; ms (median)\n")  # fmt: skip
+    print("| composition | dtype | " + " | ".join(names) + " | TFLOP/s | speedup |")
+    print("|---|---|" + "---:|" * (len(names) + 2))
+    for r in rows:
+        cells = " | ".join(f"{r[f'{n}_ms']:.4f}" for n in names)
+        print(
+            f"| {r['composition']} | {r['dtype']} | {cells} | {r['triton_tflops']:.1f} "
+            f"| {r['speedup_vs_best_sdpa']:.2f}x |"
+        )
+    ops = sorted({op for r in rows for op in r["sdpa_ops"]})
+    print(f"\nspeedup = min(sdpa_loop, sdpa_padded) / triton; SDPA dispatched to {ops}")
+    print(f"JSON: {out_path}")
+
+
+if __name__ == "__main__":
+    main()

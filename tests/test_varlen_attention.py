@@ -1,0 +1,336 @@
+"""Tests of triton_kernels.varlen_attention against its torch reference.
+
+``@triton.jit`` decides whether to build an interpreted function when the kernel module is
+*imported*, so TRITON_INTERPRET must be set before triton (and the kernel module) is imported:
+this module sets it first thing, with ``setdefault``, so that by default everything runs on the
+CPU under Triton's interpreter. The interpreted kernel runs on CPU tensors and uses 16x16 tiles,
+so the small shapes below (lengths <= 80 tokens, H <= 2) cover several full tiles, partial tiles
+and single-key requests. On a GPU machine, ``TRITON_INTERPRET=0 pytest --gpu`` compiles the
+kernel: the same small tests then run on CUDA tensors with the GPU tile sizes, and ``TestGpu``
+adds serving shapes (it is skipped while the kernel is interpreted: far too slow).
+
+Tolerances (atol, rtol), output vs the fp32 reference:
+* fp32: 1e-4 / 1e-4 -- the interpreter's tl.dot is an fp32 numpy matmul, and on GPUs fp32 inputs
+  use IEEE (not TF32) products, so only summation order differs.
+* fp16: 2e-3 / 2e-3 -- P is rounded to fp16 before the PV product, plus the fp16 output rounding
+  (half an ulp is 4.9e-4 relative).
+* bf16: 2e-2 / 2e-2 -- same with 8 mantissa bits (half an ulp is 3.9e-3 relative).
+
+bf16 under the interpreter: the interpreter stores bf16 as uint16 and its tl.dot multiplies those
+bit patterns (results around 1e10; triton-lang/triton#11584, "not supported yet"). Loads, stores
+and casts of bf16 are right, so the wrapper passes DOT_FP32=True under the interpreter and the
+kernel upcasts the bf16 operands (q, k, and P after its rounding to bf16) to fp32 before each
+tl.dot. bf16 x bf16 products are exact in fp32, so this differs from the GPU's bf16 tensor-core
+path only in summation order; the GPU class below covers the real bf16 path. fp16 needs no
+workaround (the interpreter's fp16 dot is an exact-product fp32 matmul).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from triton_kernels.varlen_attention import (  # noqa: E402
+    _interpreting,
+    _reference,
+    varlen_attention,
+)
+
+# Interpreted kernel: CPU tensors. Compiled kernel (TRITON_INTERPRET=0): CUDA tensors.
+DEVICE = "cpu" if _interpreting() else "cuda"
+
+TOLS = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+DTYPES = list(TOLS)
+
+# (n_q per request, n_k per request), lengths in tokens. The interpreter's tiles are 16 x 16.
+CASES = {
+    "b1_all_masked": ([37], [37]),
+    "b2_zero_q_and_one_key": ([0, 5], [48, 1]),
+    "b3_mixed": ([16, 0, 29], [80, 7, 29]),
+    "b4_nq_gt_nk": ([40, 3, 1, 9], [9, 17, 64, 9]),
+    "b5_mixed": ([3, 64, 1, 0, 31], [17, 64, 1, 50, 31]),
+}
+
+
+def _cu(lengths: list[int], device: torch.device | str = DEVICE) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return out.to(device)
+
+
+def _inputs(
+    n_q: list[int],
+    n_k: list[int],
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = DEVICE,
+    gen: torch.Generator | None = None,
+    q_spread: float = 2.0,
+):
+    """Fresh random (never zero) q, k, v; q_spread > 1 widens scores so the row max moves."""
+    if gen is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+        print(f"_inputs seed={seed}")  # shown by pytest on failure; reproduce with gen=
+        gen = torch.Generator().manual_seed(seed)
+
+    def rand(rows: int, scale: float = 1.0) -> torch.Tensor:
+        x = torch.randn(rows, heads, head_dim, generator=gen) * scale
+        return x.to(device=device, dtype=dtype)
+
+    q = rand(sum(n_q), q_spread)
+    k, v = rand(sum(n_k)), rand(sum(n_k))
+    return q, k, v, _cu(n_q, device), _cu(n_k, device)
+
+
+def _run(q, k, v, cu_q, cu_k, n_q, n_k, **kw) -> torch.Tensor:
+    return varlen_attention(q, k, v, cu_q, cu_k, max(n_q, default=0), max(n_k, default=0), **kw)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("head_dim", [16, 32, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_reference(case: str, head_dim: int, dtype: torch.dtype) -> None:
+    n_q, n_k = CASES[case]
+    heads = 2 if head_dim < 64 else 1
+    q, k, v, cu_q, cu_k = _inputs(n_q, n_k, heads, head_dim, dtype)
+    # NaN-poisoned output buffer: any row the kernel fails to write stays NaN and fails.
+    out = torch.full((sum(n_q), heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    got = _run(q, k, v, cu_q, cu_k, n_q, n_k, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, _reference(q, k, v, cu_q, cu_k), **TOLS[dtype])
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_head_dim_padding(head_dim: int, dtype: torch.dtype) -> None:
+    n_q, n_k = [7, 0, 20], [23, 4, 35]
+    q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, head_dim, dtype)
+    got = _run(q, k, v, cu_q, cu_k, n_q, n_k)
+    torch.testing.assert_close(got, _reference(q, k, v, cu_q, cu_k), **TOLS[dtype])
+
+
+def test_softmax_scale_and_loose_max_seqlen() -> None:
+    n_q, n_k = [12, 33], [45, 33]
+    q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 32, torch.float32)
+    # max_seqlen_* are upper bounds: programs past a request's tiles exit without writing.
+    got = varlen_attention(q, k, v, cu_q, cu_k, 70, 90, softmax_scale=0.37)
+    ref = _reference(q, k, v, cu_q, cu_k, softmax_scale=0.37)
+    torch.testing.assert_close(got, ref, **TOLS[torch.float32])
+
+
+def test_strided_views_of_packed_qkv() -> None:
+    # q, k, v as views of one (tokens, 3, H, D) tensor: token stride 3*H*D, head stride D.
+    n = [21, 0, 40]
+    qkv = torch.randn(sum(n), 3, 2, 32, device=DEVICE)
+    q, k, v = qkv.unbind(1)
+    cu = _cu(n)
+    got = _run(q, k, v, cu, cu, n, n)
+    torch.testing.assert_close(got, _reference(q, k, v, cu, cu), **TOLS[torch.float32])
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q_index_gather(index_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    # Source: all L tokens of each request; queries: a random masked subset (unsorted).
+    n_k = [30, 50, 19]
+    n_q = [9, 50, 0]
+    heads, head_dim = 2, 32
+    src, k, v, _, cu_k = _inputs(n_k, n_k, heads, head_dim, dtype)
+    starts = _cu(n_k).tolist()
+    picks = [starts[i] + torch.randperm(n_k[i])[: n_q[i]] for i in range(len(n_k))]
+    index = torch.cat(picks).to(device=DEVICE, dtype=index_dtype)
+    cu_q = _cu(n_q)
+    got = _run(src, k, v, cu_q, cu_k, n_q, n_k, q_index=index)
+    ref = _reference(src[index.long()], k, v, cu_q, cu_k)
+    torch.testing.assert_close(got, ref, **TOLS[dtype])
+
+
+def test_no_queries_returns_empty_without_launch() -> None:
+    q, k, v, cu_q, cu_k = _inputs([0, 0], [5, 9], 2, 16, torch.float32)
+    got = _run(q, k, v, cu_q, cu_k, [0, 0], [5, 9])
+    assert got.shape == (0, 2, 16)
+
+
+def test_reference_matches_sdpa_in_float64() -> None:
+    # The reference computes in fp32 whatever the input dtype: compare at fp32 accuracy.
+    n_q, n_k = [5, 0, 11], [8, 3, 11]
+    q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 16, torch.float64, "cpu")
+    ref = _reference(q, k, v, cu_q, cu_k)
+    for i in (0, 2):
+        qs, qe, ks, ke = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        sd = torch.nn.functional.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)
+        ).transpose(0, 1)
+        torch.testing.assert_close(ref[qs:qe], sd, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AssertionError, match="no keys"):
+        _reference(q[:5], k[:0], v[:0], _cu([5], "cpu"), _cu([0], "cpu"))
+
+
+def _bad_inputs(kind: str, device: str = DEVICE):
+    """Valid inputs with one defect; returns (args, kwargs) for varlen_attention."""
+    n_q, n_k = [4, 6], [8, 10]
+    q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 16, torch.float32, device)
+    kw: dict = {}
+    max_q, max_k = 6, 10
+    if kind == "dtype_mismatch":
+        k = k.half()
+    elif kind == "unsupported_dtype":
+        q, k, v = q.double(), k.double(), v.double()
+    elif kind == "cu_int64":
+        cu_q = cu_q.long()
+    elif kind == "cu_length_mismatch":
+        cu_k = _cu([8, 10, 0], device)
+    elif kind == "cu_2d":
+        cu_q = cu_q[None]
+    elif kind == "non_monotonic":
+        cu_q = torch.tensor([0, 11, 10], dtype=torch.int32, device=device)
+    elif kind == "cu_not_from_zero":
+        cu_k = cu_k + 1
+    elif kind == "cu_end_mismatch":
+        q = q[:9]
+    elif kind == "max_seqlen_too_small":
+        max_q = 5
+    elif kind == "queries_without_keys":
+        k, v = k[:8], v[:8]
+        cu_k = _cu([8, 0], device)
+    elif kind == "q_2d":
+        q = q[:, 0]
+    elif kind == "heads_mismatch":
+        k, v = k[:, :1], v[:, :1]
+    elif kind == "kv_shape_mismatch":
+        v = v[:-1]
+    elif kind == "head_dim_too_large":
+        q, k, v = (torch.randn(t.shape[0], 1, 512, device=device) for t in (q, k, v))
+    elif kind == "last_dim_strided":
+        q = torch.randn(10, 2, 32, device=device)[:, :, ::2]
+    elif kind == "bad_scale":
+        kw["softmax_scale"] = -1.0
+    elif kind == "q_index_dtype":
+        kw["q_index"] = torch.arange(10, dtype=torch.int16, device=device)
+    elif kind == "q_index_out_of_range":
+        kw["q_index"] = torch.arange(10, device=device) + 1
+    elif kind == "out_wrong_shape":
+        kw["out"] = torch.empty(10, 2, 8, device=device)
+    elif kind == "device_mismatch":
+        cu_k = cu_k.to("meta")
+    else:
+        raise AssertionError(kind)
+    return (q, k, v, cu_q, cu_k, max_q, max_k), kw
+
+
+BAD = {
+    "dtype_mismatch": (TypeError, "dtypes must match"),
+    "unsupported_dtype": (TypeError, "dtype must be one of"),
+    "cu_int64": (TypeError, "cu_seqlens_q must be int32"),
+    "cu_length_mismatch": (ValueError, "B \\+ 1 entries"),
+    "cu_2d": (ValueError, "shape \\(B \\+ 1,\\)"),
+    "non_monotonic": (ValueError, "non-decreasing"),
+    "cu_not_from_zero": (ValueError, "cu_seqlens_k\\[0\\] must be 0"),
+    "cu_end_mismatch": (ValueError, "must equal the number of rows"),
+    "max_seqlen_too_small": (ValueError, "max_seqlen is 5"),
+    "queries_without_keys": (ValueError, "request 1 has 6 queries but no keys"),
+    "q_2d": (ValueError, "must be 3-D"),
+    "heads_mismatch": (ValueError, "same \\(heads, head_dim\\)"),
+    "kv_shape_mismatch": (ValueError, "k and v shapes differ"),
+    "head_dim_too_large": (ValueError, "head_dim must be in"),
+    "last_dim_strided": (ValueError, "contiguous in its last dim"),
+    "bad_scale": (ValueError, "softmax_scale"),
+    "q_index_dtype": (TypeError, "q_index must be int32 or int64"),
+    "q_index_out_of_range": (ValueError, "q_index values"),
+    "out_wrong_shape": (ValueError, "out must be"),
+    "device_mismatch": (ValueError, "cu_seqlens_k is on meta"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_invalid_inputs_raise(kind: str) -> None:
+    # validate=True: on CUDA the value checks (monotonic, totals, bounds) are opt-in (a sync).
+    args, kw = _bad_inputs(kind)
+    exc, match = BAD[kind]
+    with pytest.raises(exc, match=match):
+        varlen_attention(*args, **kw, validate=True)
+
+
+def test_default_validation_is_on_for_cpu_tensors() -> None:
+    # validate=None reads cu_seqlens only when that costs no device sync: CPU tensors.
+    args, _ = _bad_inputs("non_monotonic", "cpu")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        varlen_attention(*args)
+
+
+def test_validate_false_skips_value_checks() -> None:
+    # validate=False is the no-sync path: value errors then go unnoticed (here max_seqlen_q=5 for
+    # a request of 6 queries; one 16-row tile still covers it), shape and dtype errors do not.
+    args, _ = _bad_inputs("max_seqlen_too_small")
+    varlen_attention(*args, validate=False)
+    args, _ = _bad_inputs("cu_int64")
+    with pytest.raises(TypeError, match="int32"):
+        varlen_attention(*args, validate=False)
+
+
+# Realistic serving shapes: (name, heads, head_dim, tokens per request L, image tokens that can be
+# masked, masked fractions per request). Flux's 512 text tokens are keys only.
+GPU_CASES = [
+    ("sdxl_4096_mixed", 10, 64, 4096, 4096, [0.05, 0.2, 0.5, 1.0]),
+    ("sdxl_1024_mixed8", 20, 64, 1024, 1024, [0.05, 0.05, 0.9, 0.3, 0.15, 0.6, 0.2, 1.0]),
+    ("flux_4608_mixed", 24, 128, 4608, 4096, [0.05, 0.2, 0.5, 1.0]),
+    ("flux_4608_zero_and_full", 24, 128, 4608, 4096, [0.0, 1.0]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(_interpreting(), reason="kernel is interpreted: set TRITON_INTERPRET=0")
+class TestGpu:
+    """Compiled kernel at serving shapes (run with --gpu on a CUDA machine, TRITON_INTERPRET=0)."""
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+    def test_serving_shapes(self, case, dtype: torch.dtype) -> None:
+        _, heads, head_dim, seq, maskable, fracs = case
+        n_q = [round(f * maskable) for f in fracs]
+        n_k = [seq] * len(fracs)
+        q, k, v, cu_q, cu_k = _inputs(n_q, n_k, heads, head_dim, dtype, "cuda", q_spread=1.0)
+        out = torch.full((sum(n_q), heads, head_dim), float("nan"), dtype=dtype, device="cuda")
+        got = _run(q, k, v, cu_q, cu_k, n_q, n_k, out=out)
+        torch.cuda.synchronize()
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got, _reference(q, k, v, cu_q, cu_k), **TOLS[dtype])
+
+    @pytest.mark.parametrize("head_dim", [16, 32, 40, 64, 96, 128, 256])
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_odd_lengths_all_head_dims(self, head_dim: int, dtype: torch.dtype) -> None:
+        n_q, n_k = [1, 0, 129, 300, 77], [1, 5, 200, 300, 1000]
+        q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 3, head_dim, dtype, "cuda")
+        got = _run(q, k, v, cu_q, cu_k, n_q, n_k, validate=True)
+        torch.testing.assert_close(got, _reference(q, k, v, cu_q, cu_k), **TOLS[dtype])
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+    def test_q_index_gather(self, dtype: torch.dtype) -> None:
+        heads, head_dim, seq, fracs = 24, 128, 4608, [0.3, 0.05, 1.0]
+        n_k = [seq] * len(fracs)
+        n_q = [round(f * 4096) for f in fracs]
+        src, k, v, _, cu_k = _inputs(n_k, n_k, heads, head_dim, dtype, "cuda", q_spread=1.0)
+        index = torch.cat(
+            [i * seq + torch.randperm(4096)[:nq].sort().values for i, nq in enumerate(n_q)]
+        ).to("cuda")
+        cu_q = _cu(n_q, "cuda")
+        got = _run(src, k, v, cu_q, cu_k, n_q, n_k, q_index=index)
+        ref = _reference(src[index], k, v, cu_q, cu_k)
+        torch.testing.assert_close(got, ref, **TOLS[dtype])
+
+    def test_validate_true_checks_cuda_values(self) -> None:
+        q, k, v, _, cu_k = _inputs([4, 6], [8, 10], 2, 64, torch.float16, "cuda")
+        cu_q = torch.tensor([0, 11, 10], dtype=torch.int32, device="cuda")
+        with pytest.raises(ValueError, match="non-decreasing"):
+            varlen_attention(q, k, v, cu_q, cu_k, 11, 10, validate=True)

@@ -1,0 +1,1 @@
+"""Triton kernels, one per file, each beside its torch reference."""

@@ -1,0 +1,440 @@
+"""Varlen masked-query attention: a Triton kernel and its torch reference.
+
+Each request of a batch attends from its *masked* query tokens only, to the keys and values of
+*all* its tokens (non-causal, full softmax). Requests are packed without padding, as in
+flash-attn's ``flash_attn_varlen_func``.
+
+Layout (B requests, H heads, head dimension D; every length and offset counts tokens, i.e. rows):
+
+* ``q``: ``(total_q, H, D)``. Rows ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` are request i's
+  ``n_q,i`` query tokens. With ``q_index`` (see below) ``q`` is instead a source ``(N_src, H, D)``.
+* ``k``, ``v``: ``(total_k, H, D)``. Rows ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]`` are request i's
+  ``n_k,i`` key/value tokens.
+* ``cu_seqlens_q``, ``cu_seqlens_k``: int32, shape ``(B + 1,)``, on q's device.
+* output: ``(total_q, H, D)`` in q's dtype; row j is query row j's attention output.
+* ``q_index`` (optional, int32 or int64, shape ``(total_q,)``): query row j is ``q[q_index[j]]``,
+  read through the index by the kernel (no gathered copy of q is made).
+
+Invariants (the wrapper checks every one that does not need the values of device tensors; the
+values are checked when that costs no device-to-host sync, or when ``validate=True``):
+
+* ``cu[0] == 0``, ``cu`` non-decreasing, ``cu_seqlens_q[B] == total_q``,
+  ``cu_seqlens_k[B] == total_k``.
+* ``n_q,i == 0`` is allowed: that request writes nothing. ``n_k,i >= 1`` wherever ``n_q,i >= 1``.
+* ``max_seqlen_q >= max_i n_q,i`` (it sizes the grid: an under-estimate leaves rows unwritten);
+  ``max_seqlen_k >= max_i n_k,i`` (a bound only, used for the int32 offset check).
+* the last dimension of q, k, v is contiguous; token and head strides are free (views of a packed
+  qkv tensor work). ``1 <= D <= 256``; D is padded in registers to a power of two >= 16.
+* ``0 <= q_index[j] < N_src``.
+* ``softmax_scale > 0``; default ``D ** -0.5``.
+
+Numerics: both matrix products accumulate in fp32; the softmax is online (flash-attention-2) in
+fp32 with base-2 exponentials, the scale pre-multiplied by log2(e); P is rounded to v's dtype
+before the PV product, as flash-attention does. fp32 inputs use IEEE fp32 products (not TF32):
+fp32 is the debugging/reference path, fp16/bf16 the fast one.
+
+Grid: ``(cdiv(max_seqlen_q, BLOCK_M), B, H)``; program (m, i, h) computes query tile m of request
+i for head h and exits at once when ``m * BLOCK_M >= n_q,i``, so no host-side schedule (and no
+device-to-host sync) is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # The interpreter replaces @triton.jit functions when TRITON_INTERPRET=1 at import time.
+    from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
+except ImportError:  # pragma: no cover - triton builds without the interpreter
+    _InterpretedFunction = ()
+
+__all__ = ["varlen_attention"]
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_HEAD_DIM = 256
+_MAX_GRID_YZ = 65535  # CUDA limit on grid dimensions y and z (requests, heads)
+
+
+@triton.jit
+def _attn_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    start_n,
+    n_k,
+    qk_scale,
+    stride_kn,
+    stride_vn,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # One BLOCK_N tile of keys [start_n, start_n + BLOCK_N) of the current request. MASK_N is
+    # True only for the last, partial tile (start_n + BLOCK_N > n_k); its missing keys get -inf
+    # scores. m_i is the running row max in log2 units (scores * qk_scale), l_i the running sum.
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+    if MASK_N:
+        kv_mask = (offs_n[:, None] < n_k) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASK_N:
+        qk = tl.where(offs_n[None, :] < n_k, qk, float("-inf"))
+    # qk_scale > 0, so max(qk) * qk_scale == max(qk * qk_scale); every row of every tile has at
+    # least one finite score (the partial tile holds >= 1 key), so m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v_base.dtype.element_ty)
+    if DOT_FP32:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _varlen_attention_kernel(
+    Q,
+    K,
+    V,
+    O,
+    Q_INDEX,
+    CU_Q,
+    CU_K,
+    qk_scale,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_Q_INDEX: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    req = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(CU_Q + req)
+    n_q = tl.load(CU_Q + req + 1) - q_start
+    if pid_m * BLOCK_M >= n_q:
+        return
+    k_start = tl.load(CU_K + req)
+    n_k = tl.load(CU_K + req + 1) - k_start
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < n_q
+    # Packed query/output row of each tile row; int64 because row * stride may pass 2**31.
+    rows = (q_start + offs_m).to(tl.int64)
+    if HAS_Q_INDEX:
+        src_rows = tl.load(Q_INDEX + rows, mask=m_valid, other=0).to(tl.int64)
+    else:
+        src_rows = rows
+    q_ptrs = Q + head * stride_qh + src_rows[:, None] * stride_qn + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=m_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Request bases in int64; offsets inside a request stay int32 (the wrapper checks
+    # max_seqlen_k * stride < 2**31).
+    k_base = K + k_start.to(tl.int64) * stride_kn + head * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vn + head * stride_vh
+    n_full = (n_k // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, k_base, v_base, start_n, n_k, qk_scale, stride_kn, stride_vn,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_FP32, DOT_PRECISION,
+        )  # fmt: skip
+    if n_full < n_k:
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, k_base, v_base, n_full, n_k, qk_scale, stride_kn, stride_vn,
+            HEAD_DIM, BLOCK_N, BLOCK_D, True, DOT_FP32, DOT_PRECISION,
+        )  # fmt: skip
+    # l_i >= 1 for every row: the row max contributes exp2(0) = 1.
+    acc = acc / l_i[:, None]
+    o_ptrs = O + head * stride_oh + rows[:, None] * stride_on + offs_d[None, :]
+    tl.store(
+        o_ptrs,
+        acc.to(O.dtype.element_ty),
+        mask=m_valid[:, None] & (offs_d[None, :] < HEAD_DIM),
+    )
+
+
+@dataclass(frozen=True)
+class _Config:
+    """Tile shape (in tokens) and launch parameters of one kernel launch."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _interpreting() -> bool:
+    return isinstance(_varlen_attention_kernel, _InterpretedFunction)
+
+
+def _pick_config(block_d: int, dtype: torch.dtype) -> _Config:
+    """Heuristic by padded head dim and dtype (no autotuning: no first-call tuning stall)."""
+    if _interpreting():
+        # Small tiles: several query and key tiles (full and partial) at test sizes, fast on CPU.
+        return _Config(16, 16, 1, 1)
+    if dtype == torch.float32:  # IEEE fp32 products: a correctness path, not tuned
+        return _Config(64, 32, 4, 2) if block_d <= 128 else _Config(32, 32, 4, 1)
+    # Chosen with bench/bench_varlen_attention.py --sweep on an H200 (sm_90, triton 3.6, fp16 and
+    # bf16, SDXL/Flux batches): D=64: 64x64/4 warps/3 stages beat 128x64 by 5-20%; D=128:
+    # 128x64/8/3 was best or within 3% of best. D=256 is untuned (compiles, tested for accuracy).
+    if block_d <= 64:
+        return _Config(64, 64, 4, 3)
+    if block_d <= 128:
+        return _Config(128, 64, 8, 3)
+    return _Config(64, 32, 4, 2)
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int) -> torch.Tensor:
+    """Value checks of one cu_seqlens tensor (reads it on the host); returns per-request lengths."""
+    cu = cu.cpu()
+    if int(cu[0]) != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
+    lengths = cu[1:] - cu[:-1]
+    if bool((lengths < 0).any()):
+        bad = int(torch.nonzero(lengths < 0)[0])
+        raise ValueError(f"{name} must be non-decreasing; {name}[{bad + 1}] < {name}[{bad}]")
+    if int(cu[-1]) != total:
+        raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the number of rows ({total})")
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if longest > max_seqlen:
+        raise ValueError(f"a request has {longest} tokens in {name}; max_seqlen is {max_seqlen}")
+    return lengths
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    q_index: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Attention of each request's query rows over its key/value rows; see the module docstring.
+
+    Args:
+        q: ``(total_q, H, D)``, or the source ``(N_src, H, D)`` of ``q_index``.
+        k, v: ``(total_k, H, D)``, same dtype and device as q.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(B + 1,)`` cumulative token offsets.
+        max_seqlen_q, max_seqlen_k: upper bounds on any request's query/key length (tokens).
+        softmax_scale: positive multiplier of the scores; default ``D ** -0.5``.
+        q_index: optional int32/int64 ``(total_q,)``; query row j is ``q[q_index[j]]``.
+        out: optional ``(total_q, H, D)`` buffer of q's dtype (last dim contiguous) to write into.
+        validate: check the *values* of cu_seqlens (and q_index): ``None`` does so only when they
+            are not on a CUDA device (no device-to-host sync), ``True`` always, ``False`` never.
+
+    Returns:
+        ``(total_q, H, D)`` tensor in q's dtype (``out`` if given).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(cu_seqlens_k, torch.Tensor):
+        raise TypeError(f"cu_seqlens_k must be a torch.Tensor, got {type(cu_seqlens_k).__name__}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be 3-D (tokens, heads, head_dim); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[1:] != k.shape[1:]:
+        raise ValueError(
+            f"q and k must have the same (heads, head_dim); got {tuple(q.shape[1:])} vs "
+            f"{tuple(k.shape[1:])}"
+        )
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {_MAX_HEAD_DIM}], got {head_dim}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q dtype must be one of {_DTYPES}, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v dtypes must match; got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (B + 1,), got {tuple(cu.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must both have B + 1 entries; got "
+            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
+        )
+    if q_index is not None:
+        if not isinstance(q_index, torch.Tensor):
+            raise TypeError(f"q_index must be a torch.Tensor, got {type(q_index).__name__}")
+        if q_index.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"q_index must be int32 or int64, got {q_index.dtype}")
+        if q_index.dim() != 1:
+            raise ValueError(f"q_index must be 1-D (total_q,), got {tuple(q_index.shape)}")
+        q_index = q_index.contiguous()
+        total_q = q_index.shape[0]
+    else:
+        total_q = q.shape[0]
+    total_k = k.shape[0]
+    device = q.device
+    named = {"k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    if q_index is not None:
+        named["q_index"] = q_index
+    if out is not None:
+        named["out"] = out
+    for name, t in named.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, q on {device}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] > 0 and t.stride(2) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim; strides {t.stride()}")
+    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {val!r}")
+    scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    if out is None:
+        out = torch.empty((total_q, n_heads, head_dim), dtype=q.dtype, device=device)
+    else:
+        if out.shape != (total_q, n_heads, head_dim) or out.dtype != q.dtype:
+            raise ValueError(
+                f"out must be {(total_q, n_heads, head_dim)} {q.dtype}, got "
+                f"{tuple(out.shape)} {out.dtype}"
+            )
+        if total_q > 0 and out.stride(2) != 1:
+            raise ValueError(f"out must be contiguous in its last dim; strides {out.stride()}")
+    n_req = cu_seqlens_q.shape[0] - 1
+    if total_q > 0 and (max_seqlen_q == 0 or n_req == 0):
+        raise ValueError(f"{total_q} query rows but max_seqlen_q={max_seqlen_q}, B={n_req}")
+    if total_q > 0 and total_k == 0:
+        raise ValueError(f"{total_q} query rows attend to no key rows (total_k == 0)")
+    if max(n_req, n_heads) > _MAX_GRID_YZ:
+        raise ValueError(f"B={n_req} and H={n_heads} must each be <= {_MAX_GRID_YZ}")
+    if max_seqlen_k * max(k.stride(0), v.stride(0), 1) >= 2**31:
+        raise ValueError("max_seqlen_k * token stride of k/v must be < 2**31 (int32 offsets)")
+
+    if validate is None:
+        validate = device.type != "cuda"
+    if validate:
+        len_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q)
+        len_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)
+        starved = (len_q > 0) & (len_k == 0)
+        if bool(starved.any()):
+            i = int(torch.nonzero(starved)[0])
+            raise ValueError(f"request {i} has {int(len_q[i])} queries but no keys")
+        if q_index is not None and total_q > 0:
+            lo, hi = int(q_index.min()), int(q_index.max())
+            if lo < 0 or hi >= q.shape[0]:
+                raise ValueError(f"q_index values must be in [0, {q.shape[0]}), got [{lo}, {hi}]")
+
+    if total_q == 0:
+        return out
+    if device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"tensors are on {device}: the kernel needs CUDA tensors, or TRITON_INTERPRET=1 set "
+            "before triton_kernels.varlen_attention is imported"
+        )
+
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    cfg = _pick_config(block_d, q.dtype)
+    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), n_req, n_heads)
+    _varlen_attention_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        q_index if q_index is not None else cu_seqlens_q,  # unused placeholder pointer
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        HAS_Q_INDEX=q_index is not None,
+        # The interpreter multiplies bf16 bit patterns in tl.dot (it stores bf16 as uint16):
+        # upcast the operands there. On GPUs bf16 goes to the tensor cores as is.
+        DOT_FP32=_interpreting() and q.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Plain torch, one request at a time, scores/softmax/PV in fp32; output in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert len(cq) == len(ck), "cu_seqlens_q and cu_seqlens_k must have the same length"
+    assert cq[0] == 0 and cq[-1] == q.shape[0], "cu_seqlens_q must span q's rows"
+    out = torch.empty_like(q)
+    for i in range(len(cq) - 1):
+        qs, qe, ks, ke = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if qe == qs:
+            continue
+        assert ke > ks, f"request {i} has {qe - qs} queries but no keys"
+        qi = q[qs:qe].float().transpose(0, 1)  # (H, n_q, D)
+        ki = k[ks:ke].float().transpose(0, 1)
+        vi = v[ks:ke].float().transpose(0, 1)
+        p = torch.softmax(torch.matmul(qi, ki.transpose(1, 2)) * scale, dim=-1)
+        out[qs:qe] = torch.matmul(p, vi).transpose(0, 1).to(q.dtype)
+    return out
