@@ -77,6 +77,18 @@ def busy_fraction(bench: StepBench, states) -> float:
     return min(1.0, kernel_us / 1e6 / wall)
 
 
+def kernel_table(bench: StepBench, states, rows: int = 25) -> str:
+    """torch.profiler's top CUDA kernels of one step (after a warm-up step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bench.time_ms(states, 1, 1)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        bench.pipe.denoise_step(states)
+        torch.cuda.synchronize()
+    bench.time_ms(states, 0, 1)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
 def step_rows(pipe, bench, ratios, batches, warmup, iters, log):
     rows = []
     for batch in batches:
@@ -194,6 +206,8 @@ def main() -> None:
     p.add_argument("--image-ratio", type=float, default=0.2)
     p.add_argument("--skip-image", action="store_true")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 ratios, batch 1-2, 3 steps")
+    p.add_argument("--profile", action="store_true", help="print top kernels at m=0.2, max batch")
+    p.add_argument("--backend", default=None, help="attention backend of the masked path")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.quick:
@@ -224,7 +238,14 @@ def main() -> None:
         out_path.write_text(json.dumps(result, indent=1))
 
     print(json.dumps(result["env"]), flush=True)
+    pipe.family.masked.attention_backend = args.backend
     bench = StepBench.setup(pipe, size)
+    if args.profile and dev.type == "cuda":
+        b = max(args.batches)
+        for masked in (True, False):
+            table = kernel_table(bench, bench.states(0.2, b, masked=masked))
+            print(f"== top kernels, batch {b}, {'masked m=0.2' if masked else 'full'} ==")
+            print(table, flush=True)
     result["steps"] = step_rows(pipe, bench, args.ratios, args.batches, args.warmup, args.iters,
                                 lambda r: (result["steps"].append(r), log(r)))  # fmt: skip
     pipe.store.delete(bench.template_key)
