@@ -9,3 +9,8 @@ import os
 def attention_backend() -> str:
     """INSTGENIE_ATTENTION_BACKEND: auto | triton | flash | sdpa (default auto)."""
     return os.environ.get("INSTGENIE_ATTENTION_BACKEND", "auto").strip().lower()
+
+
+def unet_channels_last() -> bool:
+    """INSTGENIE_UNET_CHANNELS_LAST: 1 (default) keeps UNets in NHWC on CUDA; 0 keeps NCHW."""
+    return os.environ.get("INSTGENIE_UNET_CHANNELS_LAST", "1").strip() not in ("0", "false", "no")

@@ -18,6 +18,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint impo
 )
 from PIL import Image
 
+from instgenie import env
 from instgenie.engine.adapters.base import AdapterBase
 from instgenie.engine.masked.context import use_context
 from instgenie.engine.masked.tokens import unet_token_masks
@@ -52,6 +53,12 @@ class UNetInpaintAdapter(AdapterBase):
         self.prediction_type = self.pipe.scheduler.config.prediction_type
         #: the native resolution in pixels (square side)
         self.default_size = unet.config.sample_size * self.pipe.vae_scale_factor
+        if self.device.type == "cuda" and env.unet_channels_last():
+            # NHWC convolutions run faster on tensor cores, and proj_in's NCHW->(B, HW, C)
+            # permute becomes a view; cuDNN picks conv algorithms by timing them per shape
+            # (docs/decisions/0004-cuda-unet-layout.md)
+            unet.to(memory_format=torch.channels_last)
+            torch.backends.cudnn.benchmark = True
 
     # ---- family hooks ------------------------------------------------------------------------
     def encode_prompt(self, request: EditRequest, do_cfg: bool, height: int, width: int) -> dict:

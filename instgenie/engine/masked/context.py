@@ -113,7 +113,7 @@ class StepContext:
         self.reads_cache = any(r.cache_key is not None for r in requests)
         self.capturing = any(r.writer is not None for r in requests)
         self._tokens: dict[int, TokenSet] = {}
-        self._joint: dict[tuple[int, int], JointSet] = {}
+        self._joint: dict[tuple, JointSet | torch.Tensor] = {}
         #: block id -> bool "ran masked" (observability and tests)
         self.masked_blocks: list[int] = []
 
@@ -157,6 +157,15 @@ class StepContext:
             max_q=max(counts) if counts else 0,
             num_rows=self.num_rows,
         )
+
+    def row_offsets(self, length: int) -> torch.Tensor:
+        """(R + 1,) int32 offsets r * length on the device (keys of equal length per row)."""
+        key = ("rows", length)
+        cu = self._joint.get(key)
+        if cu is None:
+            cu = torch.arange(self.num_rows + 1, dtype=torch.int32) * length
+            cu = self._joint[key] = cu.to(self.device, non_blocking=True)
+        return cu
 
     def joint(self, L: int, text_len: int) -> JointSet:
         js = self._joint.get((L, text_len))

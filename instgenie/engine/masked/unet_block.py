@@ -94,7 +94,7 @@ def masked_forward(
 
     if block.attn2 is not None:
         text = encoder_hidden_states
-        cu_text = torch.arange(R + 1, dtype=torch.int32, device=X.device) * text.shape[1]
+        cu_text = ctx.row_offsets(text.shape[1])
         h = h + _attend(block.attn2, block.norm2(h), text, ts, cu_text, ctx.attention_backend)
 
     h = h + block.ff(block.norm3(h))
