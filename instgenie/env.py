@@ -12,5 +12,5 @@ def attention_backend() -> str:
 
 
 def unet_channels_last() -> bool:
-    """INSTGENIE_UNET_CHANNELS_LAST: 1 (default) keeps UNets in NHWC on CUDA; 0 keeps NCHW."""
-    return os.environ.get("INSTGENIE_UNET_CHANNELS_LAST", "1").strip() not in ("0", "false", "no")
+    """INSTGENIE_UNET_CHANNELS_LAST: 1 puts UNets in NHWC on CUDA; 0 (default) keeps NCHW."""
+    return os.environ.get("INSTGENIE_UNET_CHANNELS_LAST", "0").strip() in ("1", "true", "yes")

@@ -54,11 +54,8 @@ class UNetInpaintAdapter(AdapterBase):
         #: the native resolution in pixels (square side)
         self.default_size = unet.config.sample_size * self.pipe.vae_scale_factor
         if self.device.type == "cuda" and env.unet_channels_last():
-            # NHWC convolutions run faster on tensor cores, and proj_in's NCHW->(B, HW, C)
-            # permute becomes a view; cuDNN picks conv algorithms by timing them per shape
-            # (docs/decisions/0004-cuda-unet-layout.md)
+            # off by default: measured slower on an H200 (docs/decisions/0005-unet-memory-format.md)
             unet.to(memory_format=torch.channels_last)
-            torch.backends.cudnn.benchmark = True
 
     # ---- family hooks ------------------------------------------------------------------------
     def encode_prompt(self, request: EditRequest, do_cfg: bool, height: int, width: int) -> dict:
