@@ -54,7 +54,7 @@ class UNetInpaintAdapter(AdapterBase):
         #: the native resolution in pixels (square side)
         self.default_size = unet.config.sample_size * self.pipe.vae_scale_factor
         if self.device.type == "cuda" and env.unet_channels_last():
-            # off by default: measured slower on an H200 (docs/decisions/0005-unet-memory-format.md)
+            # off by default: measured slower on an H200 (docs/decisions/0004-unet-memory-format.md)
             unet.to(memory_format=torch.channels_last)
 
     # ---- family hooks ------------------------------------------------------------------------
