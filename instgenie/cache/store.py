@@ -41,6 +41,20 @@ class CacheWriter(Protocol):
     def abort(self) -> None: ...
 
 
+class TemplateHandle(Protocol):
+    """An open, ready template cache. Holding it keeps the entry from being evicted."""
+
+    #: where the tensors live: the compute device (read directly) or "cpu" (host tier: loaded)
+    device: torch.device
+
+    def block(self, step: int, block_id: int) -> torch.Tensor:
+        """(rows, L, C) block output of `step`."""
+        ...
+
+    def latents(self, step: int) -> torch.Tensor: ...
+    def close(self) -> None: ...
+
+
 class ActivationStore(Protocol):
     def status(self, key: str) -> str:
         """ "ready", "building" or "absent"."""
@@ -48,8 +62,7 @@ class ActivationStore(Protocol):
 
     def writer(self, key: str, meta: TemplateMeta) -> CacheWriter: ...
     def meta(self, key: str) -> TemplateMeta: ...
-    def block(self, key: str, step: int, block_id: int) -> torch.Tensor: ...
-    def latents(self, key: str, step: int) -> torch.Tensor: ...
+    def open(self, key: str) -> TemplateHandle: ...
     def delete(self, key: str) -> None: ...
 
 
@@ -89,11 +102,8 @@ class InMemoryStore:
     def meta(self, key: str) -> TemplateMeta:
         return self._ready[key].meta
 
-    def block(self, key: str, step: int, block_id: int) -> torch.Tensor:
-        return self._ready[key].blocks[(step, block_id)]
-
-    def latents(self, key: str, step: int) -> torch.Tensor:
-        return self._ready[key].latents[step]
+    def open(self, key: str) -> _MemoryHandle:
+        return _MemoryHandle(self._ready[key], self.device)
 
     def delete(self, key: str) -> None:
         with self._lock:
@@ -114,6 +124,22 @@ class InMemoryStore:
             del self._building[key]
             if ok:
                 self._ready[key] = entry
+
+
+class _MemoryHandle:
+    """Direct views of an in-memory entry (which stays alive while referenced here)."""
+
+    def __init__(self, entry: _Entry, device: torch.device) -> None:
+        self._entry, self.device = entry, device
+
+    def block(self, step: int, block_id: int) -> torch.Tensor:
+        return self._entry.blocks[(step, block_id)]
+
+    def latents(self, step: int) -> torch.Tensor:
+        return self._entry.latents[step]
+
+    def close(self) -> None:
+        self._entry = None
 
 
 class _MemoryWriter:

@@ -231,7 +231,8 @@ class EditPipeline:
             or any(L not in masks for L, _ in meta.block_shapes.values())
         ):
             return
-        state.path, state.cache_key = "masked", key
+        state.path, state.cache_key, state.cache_meta = "masked", key, meta
+        state.cache_handle = self.store.open(key)
         state.token_index = {L: m.nonzero().squeeze(1) for L, m in masks.items()}
         state.edit_mask = self.family.edit_mask(masks, state)
         state.extras["cache"] = "hit"
@@ -243,9 +244,21 @@ class EditPipeline:
         with torch.inference_mode():
             self.family.denoise_step(active)
         for s in active:
-            if s.writer is not None and s.is_done:
-                s.writer.commit()
-                s.writer = None
+            if s.is_done:
+                self.release(s)
+
+    def release(self, state: RequestState) -> None:
+        """Finish a request's cache use: commit its capture, close its cache handle. Called when
+        it completes; call it for a request dropped before completion (its capture aborts)."""
+        if state.writer is not None:
+            if state.is_done:
+                state.writer.commit()
+            else:
+                state.writer.abort()
+            state.writer = None
+        if state.cache_handle is not None:
+            state.cache_handle.close()
+            state.cache_handle = None
 
     # ---- post-process --------------------------------------------------------------------------
     def postprocess(self, batch: Sequence[RequestState]) -> list[EditResult]:

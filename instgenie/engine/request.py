@@ -77,8 +77,10 @@ class RequestState:
     # ---- mask-aware execution (set by the pipeline's path selection) ----
     #: "masked" (computes its masked tokens, the rest from cache_key's template) or "full"
     path: str = "full"
-    #: template cache this request reads; None on the full path
+    #: template cache this request reads (key, open handle, its meta); None on the full path
     cache_key: str | None = None
+    cache_handle: Any = None
+    cache_meta: Any = None
     #: {L: int64 indices of the request's masked tokens at the resolution with L tokens} (CPU)
     token_index: dict[int, torch.Tensor] | None = None
     #: bool, broadcastable to `latents`: True where the latents are edited (computed)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from instgenie.cache.store import ActivationStore, CacheWriter
+from instgenie.cache.loader import PipelinedLoader
+from instgenie.cache.store import CacheWriter, TemplateHandle
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
     "instgenie_step_context", default=None
@@ -48,9 +49,9 @@ class RequestRows:
     num_rows: int
     #: the step index the request is at
     step: int
-    #: key of the template cache it reads (masked mode), else None (computes all tokens)
-    cache_key: str | None = None
-    #: {L: token indices (n_L,) int64, CPU} of its masked tokens; required with cache_key
+    #: the template cache it reads (masked mode), else None (computes all tokens)
+    handle: TemplateHandle | None = None
+    #: {L: token indices (n_L,) int64, CPU} of its masked tokens; required with a handle
     token_index: dict[int, torch.Tensor] | None = None
     #: where its block outputs go (capture), else None
     writer: CacheWriter | None = None
@@ -99,18 +100,19 @@ class StepContext:
     def __init__(
         self,
         requests: list[RequestRows],
-        store: ActivationStore | None,
         device: torch.device,
         compute_all: frozenset[int] = frozenset(),
         attention_backend: str | None = None,
+        loader: PipelinedLoader | None = None,
     ) -> None:
         self.requests = requests
-        self.store = store
         self.device = device
         self.compute_all = compute_all
         self.attention_backend = attention_backend
+        #: when set, cached rows arrive through pipelined staging buffers (host-tier caches)
+        self.loader = loader
         self.num_rows = sum(r.num_rows for r in requests)
-        self.reads_cache = any(r.cache_key is not None for r in requests)
+        self.reads_cache = any(r.handle is not None for r in requests)
         self.capturing = any(r.writer is not None for r in requests)
         self._tokens: dict[int, TokenSet] = {}
         self._joint: dict[tuple, JointSet | torch.Tensor] = {}
@@ -132,7 +134,7 @@ class StepContext:
         idx, rows, counts = [], [], []
         full = torch.arange(L)
         for req in self.requests:
-            if req.cache_key is not None:
+            if req.handle is not None:
                 try:
                     own = req.token_index[L]
                 except KeyError:
@@ -199,21 +201,31 @@ class StepContext:
             max_q=ts.max_q + tt,
         )
 
+    def cached_rows(self, block_id: int) -> list[tuple[int, torch.Tensor]]:
+        """(first batch row, cached (rows, L, C) tensor) for every cache-reading request. A
+        template captured with CFG serves a request without CFG its last (cond) row."""
+        out = []
+        for req in self.requests:
+            if req.handle is not None:
+                cached = req.handle.block(req.step, block_id)
+                out.append((req.start, cached[cached.shape[0] - req.num_rows :]))
+        return out
+
     def output_buffer(self, block_id: int, like: torch.Tensor) -> torch.Tensor:
         """(R, L, C) buffer whose cache-reading rows hold the cached block output; other rows
         are uninitialised (their every token is computed and scattered in)."""
-        out = torch.empty_like(like)
-        for req in self.requests:
-            if req.cache_key is None:
-                continue
-            cached = self.store.block(req.cache_key, req.step, block_id)
-            rows = slice(req.start, req.start + req.num_rows)
-            if cached.shape[0] == req.num_rows:
-                out[rows].copy_(cached, non_blocking=True)
-            else:  # template captured with CFG, request without: its cond branch
-                out[rows].copy_(cached[-req.num_rows :], non_blocking=True)
         self.masked_blocks.append(block_id)
+        if self.loader is not None:
+            return self.loader.take(block_id)
+        out = torch.empty_like(like)
+        for first, cached in self.cached_rows(block_id):
+            out[first : first + cached.shape[0]].copy_(cached, non_blocking=True)
         return out
+
+    def block_done(self, block_id: int) -> None:
+        """Every hooked block calls this after its forward (pipelined loading advances)."""
+        if self.loader is not None:
+            self.loader.block_done(block_id)
 
     def record(self, block_id: int, y: torch.Tensor) -> None:
         """Capture: hand each capturing request's rows of a block output to its writer."""

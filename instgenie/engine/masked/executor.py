@@ -1,32 +1,52 @@
 """Binds masked execution to a family's backbone: builds each step's context from the batch's
-request states and keeps cache-reading requests on their template's latent trajectory.
+request states, drives pipelined loading of host-tier caches, and keeps cache-reading requests on
+their template's latent trajectory.
 
 Latents: a masked request computes only its masked tokens, and the unmasked rows of every block
 come from the template's run, which followed the template's own latents. After each step the
 request's latents outside its edit region are set to the template's latents after that step, so
 the unmasked inputs of the next step match the cached activations. With the template's own
 inputs (same seed, prompt, mask) this is the identity, so exact replay is preserved.
+
+Loading modes (per step): a cache already on the compute device is read in place (the ideal
+case); a host-tier cache is copied in by the `PipelinedLoader` on a side stream when
+`pipelined` is on, else synchronously on the compute stream before each block ("naive").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from instgenie.cache.store import ActivationStore
+from instgenie.cache.loader import BlockLoad, CopyEngine, CudaCopyEngine, PipelinedLoader
 from instgenie.engine.masked import hooks
 from instgenie.engine.masked.context import RequestRows, StepContext
 from instgenie.engine.request import RequestState
+
+#: (batch, context) -> block ids that compute all tokens this step (the load planner)
+Planner = Callable[[list[RequestState], StepContext], frozenset[int]]
 
 
 class MaskedExecutor:
     def __init__(self, backbone: torch.nn.Module, device: torch.device) -> None:
         self.blocks = hooks.install(backbone)
+        self.block_order = [b.block_id for b in self.blocks]
         self.device = device
-        self.store: ActivationStore | None = None
-        #: block ids that compute all tokens (no cache read); the load planner sets this per step
+        self.store = None
+        #: block ids that compute all tokens (no cache read); a planner may set it per step
         self.compute_all: frozenset[int] = frozenset()
+        self.planner: Planner | None = None
         #: None = INSTGENIE_ATTENTION_BACKEND / auto
         self.attention_backend: str | None = None
+        #: "auto": host-tier caches are copied by the pipelined loader on CUDA, device-resident
+        #: ones are read in place; "pipelined": always through the loader (tests, benchmarks);
+        #: "naive": copy each block's rows on the compute stream right before its use
+        self.loading = "auto"
+        self.copy_engine: CopyEngine | None = None
+        #: staging buffers in the loader's ring (each holds one block's (R, L, C) output)
+        self.staging_buffers = 3
+        self.loader: PipelinedLoader | None = None
         #: the context of the last step (tests and the step log read it)
         self.last_context: StepContext | None = None
 
@@ -35,7 +55,7 @@ class MaskedExecutor:
         return len(self.blocks)
 
     def context(self, batch: list[RequestState]) -> StepContext | None:
-        if not any(s.cache_key is not None or s.writer is not None for s in batch):
+        if not any(s.cache_handle is not None or s.writer is not None for s in batch):
             self.last_context = None
             return None
         rows, start = [], 0
@@ -45,15 +65,54 @@ class MaskedExecutor:
                     start=start,
                     num_rows=s.num_rows,
                     step=s.step_index,
-                    cache_key=s.cache_key,
-                    token_index=s.token_index if s.cache_key is not None else None,
+                    handle=s.cache_handle,
+                    token_index=s.token_index if s.cache_handle is not None else None,
                     writer=s.writer,
                 )
             )
             start += s.num_rows
-        ctx = StepContext(rows, self.store, self.device, self.compute_all, self.attention_backend)
+        ctx = StepContext(rows, self.device, self.compute_all, self.attention_backend)
+        if self.planner is not None and ctx.reads_cache:
+            ctx.compute_all = self.planner(batch, ctx)
+        if ctx.reads_cache and self._use_loader(rows):
+            ctx.loader = self._loader(batch)
+            ctx.loader.start_step(self._loads(ctx, batch), self.block_order)
         self.last_context = ctx
         return ctx
+
+    def _use_loader(self, rows: list[RequestRows]) -> bool:
+        if self.loading == "naive":
+            return False
+        if self.loading == "pipelined":
+            return True
+        host = any(r.handle is not None and r.handle.device != self.device for r in rows)
+        return host and self.device.type == "cuda"
+
+    def _loader(self, batch: list[RequestState]) -> PipelinedLoader:
+        if self.copy_engine is None:
+            self.copy_engine = CudaCopyEngine(self.device)
+        dtype = batch[0].latents.dtype
+        loader = self.loader
+        if loader is None or loader.dtype != dtype or loader.num_buffers != self.staging_buffers:
+            self.loader = PipelinedLoader(
+                self.copy_engine, self.device, dtype, num_buffers=self.staging_buffers
+            )
+        return self.loader
+
+    def _loads(self, ctx: StepContext, batch: list[RequestState]) -> list[BlockLoad]:
+        shapes = self._block_shapes(batch)
+        return [
+            BlockLoad(b, (ctx.num_rows, *shapes[b]), ctx.cached_rows(b))
+            for b in self.block_order
+            if ctx.is_masked(b)
+        ]
+
+    @staticmethod
+    def _block_shapes(batch: list[RequestState]) -> dict[int, tuple[int, int]]:
+        for s in batch:
+            if s.cache_meta is not None:
+                return s.cache_meta.block_shapes
+        raise RuntimeError("no cache-reading request in the batch")
 
     def after_step(self, batch: list[RequestState]) -> None:
         """Called once the batch's latents and step indices have advanced."""
@@ -61,6 +120,6 @@ class MaskedExecutor:
             step = s.step_index - 1
             if s.writer is not None:
                 s.writer.put_latents(step, s.latents)
-            if s.cache_key is not None:
-                template = self.store.latents(s.cache_key, step).to(s.latents.dtype)
+            if s.cache_handle is not None:
+                template = s.cache_handle.latents(step).to(s.latents.device, s.latents.dtype)
                 s.latents = torch.where(s.edit_mask, s.latents, template)

@@ -1,8 +1,10 @@
 """Installing masked execution on a backbone: one diffusers ModelHook per transformer block.
 
-Block ids are positions in a fixed traversal order (UNet: `model.modules()` order of
-BasicTransformerBlocks; Flux: dual blocks then single blocks), the same in every process, so cache
-entries written by one process are read correctly by another. Hooked blocks behave exactly like
+Block ids are positions in execution order (UNet: down blocks, mid block, up blocks — note that
+`model.modules()` order differs, because diffusers registers `up_blocks` before `mid_block`; Flux:
+dual blocks then single blocks). The order is the same in every process, so cache entries written
+by one process are read correctly by another, and the pipelined loader can rely on block i + 1
+being the consumer of block i's output. Hooked blocks behave exactly like
 stock ones unless a `StepContext` is active (see context.py).
 """
 
@@ -46,17 +48,24 @@ class MaskedBlockHook(ModelHook):
             out = self.masked_forward(module, ctx, self.block_id, *args, **kwargs)
         else:
             out = self.fn_ref.original_forward(*args, **kwargs)
-        if ctx is not None and ctx.capturing:
-            ctx.record(self.block_id, self.image_output(out))
+        if ctx is not None:
+            if ctx.capturing:
+                ctx.record(self.block_id, self.image_output(out))
+            ctx.block_done(self.block_id)
         return out
 
 
 def _blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
-    found = []
-    for name, module in model.named_modules():
-        if isinstance(module, BasicTransformerBlock):
-            found.append((name, module, "unet"))
-    if found:
+    if hasattr(model, "down_blocks"):  # UNet2DConditionModel: forward order of its stages
+        stages = [("down_blocks", model.down_blocks), ("mid_block", model.mid_block),
+                  ("up_blocks", model.up_blocks)]  # fmt: skip
+        found = []
+        for prefix, stage in stages:
+            if stage is None:
+                continue
+            for name, module in stage.named_modules():
+                if isinstance(module, BasicTransformerBlock):
+                    found.append((f"{prefix}.{name}" if name else prefix, module, "unet"))
         return found
     dual = [(n, m, "flux_dual") for n, m in model.named_modules()
             if isinstance(m, FluxTransformerBlock)]  # fmt: skip

@@ -1,0 +1,172 @@
+"""Block-wise pipelined loading of cached activations (paper §4.2, Fig. 9).
+
+Per denoising step, the cached rows of every block that uses the cache are copied host -> GPU on a
+dedicated copy stream, `depth` blocks ahead of the compute stream, into a small ring of staging
+buffers. A block's staging buffer *is* its output buffer: the masked forward scatters its freshly
+computed rows into it, so no second device copy is made.
+
+Ordering (all on the device, no host waits):
+- load of block b into buffer k waits (copy stream) for the event "the consumer of buffer k's
+  previous occupant has finished" — the consumer of block a's output is the next hooked block
+  a + 1, whose end the compute stream records;
+- block b's use of its buffer waits (compute stream) for the event "load of b finished".
+Loads are enqueued lazily from the compute thread (at step start and after each block), because a
+stream cannot wait on an event that has not been recorded yet.
+
+`CopyEngine` abstracts streams/events: `CudaCopyEngine` drives real CUDA streams; tests use a
+simulated engine that checks the ordering invariants on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+class CopyEngine(Protocol):
+    def event(self) -> Any: ...
+    def record_compute(self, event: Any) -> None: ...
+    def record_copy(self, event: Any) -> None: ...
+    def copy_waits(self, event: Any) -> None: ...
+    def compute_waits(self, event: Any) -> None: ...
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+class CudaCopyEngine:
+    """Real streams: copies run on a side stream; the compute stream is the current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def record_compute(self, event: torch.cuda.Event) -> None:
+        event.record(torch.cuda.current_stream(self.device))
+
+    def record_copy(self, event: torch.cuda.Event) -> None:
+        event.record(self.stream)
+
+    def copy_waits(self, event: torch.cuda.Event) -> None:
+        self.stream.wait_event(event)
+
+    def compute_waits(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+@dataclass
+class BlockLoad:
+    """One block's load for this step: where each source tensor goes in the (R, L, C) buffer."""
+
+    block_id: int
+    shape: tuple[int, int, int]
+    #: (first row, host tensor (rows, L, C)) per cache-reading request
+    sources: list[tuple[int, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(src.numel() * src.element_size() for _, src in self.sources)
+
+
+@dataclass
+class _Slot:
+    position: int  # index in this step's load list
+    ready: Any = None  # event: load finished
+
+
+@dataclass
+class PipelinedLoader:
+    engine: CopyEngine
+    device: torch.device
+    dtype: torch.dtype
+    #: staging buffers in the ring (>= 2: one being computed into, one being loaded)
+    num_buffers: int = 3
+    _ring: list[torch.Tensor] = field(default_factory=list)
+    _loads: list[BlockLoad] = field(default_factory=list)
+    _slots: dict[int, _Slot] = field(default_factory=dict)
+    _done: dict[int, Any] = field(default_factory=dict)  # block id -> end-of-block event
+    _next: int = 0  # next load position to enqueue
+    _order: list[int] = field(default_factory=list)  # hooked block ids in execution order
+    #: bytes copied this step (observability)
+    bytes_loaded: int = 0
+    on_copy: Callable[[int, int], None] | None = None
+
+    def start_step(self, loads: list[BlockLoad], block_order: list[int]) -> None:
+        """Plan this step's loads (in block order) and enqueue the first ones."""
+        if self.num_buffers < 2:
+            raise ValueError("pipelined loading needs at least 2 staging buffers")
+        self._loads, self._order = loads, block_order
+        self._slots = {ld.block_id: _Slot(p) for p, ld in enumerate(loads)}
+        self._done, self._next, self.bytes_loaded = {}, 0, 0
+        need = max((ld.shape[0] * ld.shape[1] * ld.shape[2] for ld in loads), default=0)
+        if need and (not self._ring or self._ring[0].numel() < need):
+            # the old ring may still be read/written by queued work: drain before freeing it
+            self.engine.synchronize()
+            self._ring = [
+                torch.empty(need, dtype=self.dtype, device=self.device)
+                for _ in range(self.num_buffers)
+            ]
+        # the previous step's work on the ring must finish before this step overwrites it
+        step_start = self.engine.event()
+        self.engine.record_compute(step_start)
+        self.engine.copy_waits(step_start)
+        self._pump()
+
+    def _buffer(self, position: int) -> torch.Tensor:
+        shape = self._loads[position].shape
+        n = shape[0] * shape[1] * shape[2]
+        return self._ring[position % self.num_buffers][:n].view(shape)
+
+    def _consumer(self, block_id: int) -> int | None:
+        """The hooked block that reads `block_id`'s output (the next one in order)."""
+        i = self._order.index(block_id)
+        return self._order[i + 1] if i + 1 < len(self._order) else None
+
+    def _pump(self) -> None:
+        """Enqueue every load whose staging buffer is free by now."""
+        while self._next < len(self._loads):
+            pos = self._next
+            if pos >= self.num_buffers:
+                prev = self._loads[pos - self.num_buffers].block_id
+                consumer = self._consumer(prev)
+                # the previous occupant's consumer must have been recorded as done
+                if consumer is None or consumer not in self._done:
+                    return
+                self.engine.copy_waits(self._done[consumer])
+            ld, buf = self._loads[pos], self._buffer(pos)
+            for first_row, src in ld.sources:
+                self.engine.copy(buf[first_row : first_row + src.shape[0]], src)
+            ready = self.engine.event()
+            self.engine.record_copy(ready)
+            self._slots[ld.block_id].ready = ready
+            self.bytes_loaded += ld.nbytes
+            if self.on_copy is not None:
+                self.on_copy(ld.block_id, ld.nbytes)
+            self._next += 1
+
+    def take(self, block_id: int) -> torch.Tensor:
+        """The staging buffer of `block_id`, its cached rows loaded (compute stream waits)."""
+        slot = self._slots[block_id]
+        if slot.ready is None:
+            raise RuntimeError(f"block {block_id} was not loaded before its use")
+        self.engine.compute_waits(slot.ready)
+        return self._buffer(slot.position)
+
+    def block_done(self, block_id: int) -> None:
+        """Called after every hooked block's forward has been enqueued."""
+        ev = self.engine.event()
+        self.engine.record_compute(ev)
+        self._done[block_id] = ev
+        self._pump()
