@@ -110,6 +110,48 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    import platform
+
+    import diffusers
+    import torch
+
+    from instgenie.cache.profiler import fit_profile, profile_compute, profile_dram_load, r2_report
+    from instgenie.engine.pipeline import EditPipeline
+
+    model = dataclass_from_args(ModelConfig, args)
+    pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype)
+    fam = pipe.family
+    size = args.size or fam.default_size
+    compute = profile_compute(pipe, size, args.batches, args.ratios, args.warmup, args.iters,
+                              log=lambda m: print(m, file=sys.stderr))  # fmt: skip
+    loads = {"dram": profile_dram_load(fam.device, args.load_mb)}
+    if args.disk_dir:
+        from instgenie.cache.profiler import profile_disk_load
+
+        loads["disk"] = profile_disk_load(args.disk_dir, args.disk_mb)
+    device_name = (
+        torch.cuda.get_device_name(fam.device) if fam.device.type == "cuda" else platform.machine()
+    )
+    meta = {
+        "device_name": device_name,
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "batches": args.batches,
+        "ratios": args.ratios,
+        "command": " ".join(sys.argv),
+    }
+    prof = fit_profile(model.model, fam.device, fam.dtype, size, compute, loads, meta)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof.to_json(), indent=1))
+    for line in r2_report(prof):
+        print(line)
+    print(f"wrote {out}")
+    return 0
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
@@ -148,6 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--iters", type=int, default=5)
     bench.add_argument("--json", action="store_true", help="print one JSON line")
     bench.set_defaults(func=cmd_bench_step)
+
+    prof = sub.add_parser("profile", help="fit per-block compute and per-tier load latency models")
+    add_dataclass_args(prof, ModelConfig)
+    prof.add_argument("-o", "--output", required=True, help="profile JSON, e.g. profiles/X.json")
+    prof.add_argument("--size", type=int, default=None)
+    prof.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    prof.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.35, 0.5, 1.0])
+    prof.add_argument("--warmup", type=int, default=1)
+    prof.add_argument("--iters", type=int, default=3)
+    prof.add_argument("--load-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256])
+    prof.add_argument("--disk-dir", default=None, help="profile the disk tier in this directory")
+    prof.add_argument("--disk-mb", type=float, nargs="+", default=[4, 16, 64, 256])
+    prof.set_defaults(func=cmd_profile)
     return parser
 
 

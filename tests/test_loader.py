@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from instgenie.cache.loader import BlockLoad, PipelinedLoader
+from instgenie.cache.quant import copy_rows
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
@@ -50,9 +51,9 @@ class SimEngine:
         self.compute_waited.add(ev)
         self.log.append(("compute_waits", ev))
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
-        self.log.append(("copy", dst.data_ptr(), src.numel()))
+    def copy(self, dst: torch.Tensor, src) -> None:
+        copy_rows(dst, src, non_blocking=False)
+        self.log.append(("copy", dst.data_ptr(), src.shape.numel()))
 
     def synchronize(self) -> None:
         self.log.append(("sync",))

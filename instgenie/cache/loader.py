@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
+from instgenie.cache.quant import QuantizedRows, copy_rows
+
 
 class CopyEngine(Protocol):
     def event(self) -> Any: ...
@@ -58,9 +60,11 @@ class CudaCopyEngine:
     def compute_waits(self, event: torch.cuda.Event) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor | QuantizedRows) -> None:
+        # fp8 rows are copied as bytes and dequantised on the copy stream, so the compute
+        # stream only ever sees compute-dtype rows
         with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
+            copy_rows(dst, src, non_blocking=True)
 
     def synchronize(self) -> None:
         self.stream.synchronize()
@@ -72,12 +76,15 @@ class BlockLoad:
 
     block_id: int
     shape: tuple[int, int, int]
-    #: (first row, host tensor (rows, L, C)) per cache-reading request
-    sources: list[tuple[int, torch.Tensor]]
+    #: (first row, host tensor (rows, L, C) or fp8 rows) per cache-reading request
+    sources: list[tuple[int, torch.Tensor | QuantizedRows]]
 
     @property
     def nbytes(self) -> int:
-        return sum(src.numel() * src.element_size() for _, src in self.sources)
+        return sum(
+            src.nbytes if isinstance(src, QuantizedRows) else src.numel() * src.element_size()
+            for _, src in self.sources
+        )
 
 
 @dataclass

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from instgenie.cache.quant import FP8, QuantizedRows, quantize_rows
+
 
 @dataclass
 class TemplateMeta:
@@ -74,7 +76,8 @@ class _Entry:
 
 
 class InMemoryStore:
-    """Every entry lives on one device (GPU memory: the ideal case of paper §6.3; or CPU)."""
+    """Every entry lives on one device (GPU memory: the ideal case of paper §6.3; or CPU).
+    With dtype float8_e4m3fn, block outputs are kept as fp8 with per-token scales."""
 
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
         self.device = torch.device(device)
@@ -114,8 +117,12 @@ class InMemoryStore:
     def nbytes(self) -> int:
         return sum(e.meta.nbytes for e in self._ready.values())
 
-    def _store(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(device=self.device, dtype=self.dtype or t.dtype, copy=True)
+    def _store(self, t: torch.Tensor, quantize: bool = False) -> torch.Tensor | QuantizedRows:
+        t = t.detach()
+        if quantize and self.dtype == FP8:
+            return quantize_rows(t).to(self.device)
+        dtype = self.dtype if self.dtype not in (None, FP8) else t.dtype
+        return t.to(device=self.device, dtype=dtype, copy=True)
 
     def _finish(self, key: str, entry: _Entry, ok: bool) -> None:
         with self._lock:
@@ -147,15 +154,15 @@ class _MemoryWriter:
         self.store, self.key, self.entry = store, key, entry
 
     def put_block(self, step: int, block_id: int, y: torch.Tensor) -> None:
-        t = self.store._store(y)
+        t = self.store._store(y, quantize=True)
         self.entry.blocks[(step, block_id)] = t
         self.entry.meta.block_shapes[block_id] = (int(t.shape[1]), int(t.shape[2]))
-        self.entry.meta.nbytes += t.numel() * t.element_size()
+        self.entry.meta.nbytes += _nbytes(t)
 
     def put_latents(self, step: int, latents: torch.Tensor) -> None:
         t = self.store._store(latents)
         self.entry.latents[step] = t
-        self.entry.meta.nbytes += t.numel() * t.element_size()
+        self.entry.meta.nbytes += _nbytes(t)
 
     def commit(self) -> None:
         meta = self.entry.meta
@@ -170,3 +177,7 @@ class _MemoryWriter:
 
     def abort(self) -> None:
         self.store._finish(self.key, self.entry, ok=False)
+
+
+def _nbytes(t: torch.Tensor | QuantizedRows) -> int:
+    return t.nbytes if isinstance(t, QuantizedRows) else t.numel() * t.element_size()

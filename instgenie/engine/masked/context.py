@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from instgenie.cache.loader import PipelinedLoader
+from instgenie.cache.quant import copy_rows
 from instgenie.cache.store import CacheWriter, TemplateHandle
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
@@ -38,6 +40,33 @@ def use_context(ctx: StepContext | None) -> Iterator[None]:
         yield
     finally:
         _CURRENT.reset(token)
+
+
+class BlockTimer:
+    """Per-block latency: CUDA events on the compute stream (host clock on CPU), in ms."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: dict[int, list] = {}
+
+    def _mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def start(self, block_id: int) -> None:
+        self._marks[block_id] = [self._mark(), None]
+
+    def stop(self, block_id: int) -> None:
+        self._marks[block_id][1] = self._mark()
+
+    def results_ms(self) -> dict[int, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {b: a.elapsed_time(z) for b, (a, z) in self._marks.items()}
+        return {b: 1e3 * (z - a) for b, (a, z) in self._marks.items()}
 
 
 @dataclass
@@ -111,6 +140,8 @@ class StepContext:
         self.attention_backend = attention_backend
         #: when set, cached rows arrive through pipelined staging buffers (host-tier caches)
         self.loader = loader
+        #: when set, every hooked block reports start/stop to it (the profiler)
+        self.timer: BlockTimer | None = None
         self.num_rows = sum(r.num_rows for r in requests)
         self.reads_cache = any(r.handle is not None for r in requests)
         self.capturing = any(r.writer is not None for r in requests)
@@ -219,7 +250,7 @@ class StepContext:
             return self.loader.take(block_id)
         out = torch.empty_like(like)
         for first, cached in self.cached_rows(block_id):
-            out[first : first + cached.shape[0]].copy_(cached, non_blocking=True)
+            copy_rows(out[first : first + cached.shape[0]], cached, non_blocking=True)
         return out
 
     def block_done(self, block_id: int) -> None:

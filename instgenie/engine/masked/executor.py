@@ -49,13 +49,17 @@ class MaskedExecutor:
         self.loader: PipelinedLoader | None = None
         #: the context of the last step (tests and the step log read it)
         self.last_context: StepContext | None = None
+        #: a BlockTimer attached to every step's context (the profiler sets it)
+        self.timer_factory: Callable[[], object] | None = None
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
     def context(self, batch: list[RequestState]) -> StepContext | None:
-        if not any(s.cache_handle is not None or s.writer is not None for s in batch):
+        if self.timer_factory is None and not any(
+            s.cache_handle is not None or s.writer is not None for s in batch
+        ):
             self.last_context = None
             return None
         rows, start = [], 0
@@ -72,6 +76,8 @@ class MaskedExecutor:
             )
             start += s.num_rows
         ctx = StepContext(rows, self.device, self.compute_all, self.attention_backend)
+        if self.timer_factory is not None:
+            ctx.timer = self.timer_factory()
         if self.planner is not None and ctx.reads_cache:
             ctx.compute_all = self.planner(batch, ctx)
         if ctx.reads_cache and self._use_loader(rows):

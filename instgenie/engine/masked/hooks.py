@@ -44,6 +44,8 @@ class MaskedBlockHook(ModelHook):
 
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         ctx = current_context()
+        if ctx is not None and ctx.timer is not None:
+            ctx.timer.start(self.block_id)
         if ctx is not None and ctx.is_masked(self.block_id):
             out = self.masked_forward(module, ctx, self.block_id, *args, **kwargs)
         else:
@@ -52,6 +54,8 @@ class MaskedBlockHook(ModelHook):
             if ctx.capturing:
                 ctx.record(self.block_id, self.image_output(out))
             ctx.block_done(self.block_id)
+            if ctx.timer is not None:
+                ctx.timer.stop(self.block_id)
         return out
 
 

@@ -1,0 +1,238 @@
+"""Offline latency profiling: per-block compute latency with and without the cache, and load
+latency per tier; linear fits (scikit-learn) that the load planner and the router read.
+
+Compute: every hooked block is timed (CUDA events on the compute stream) over a grid of mask
+ratios and batch sizes, once computing only masked tokens from a GPU-resident cache ("cached")
+and once computing all tokens ("full"). Each block class (kind and width) gets one model per mode:
+latency_ms = slope * FLOPs + intercept, FLOPs from instgenie.cache.costs (paper Table 1 with
+keys/values over all tokens). Load: host -> device copies of growing sizes per tier ("dram" =
+pinned host memory; "disk" = reading a checksummed entry into host memory), latency_ms = slope *
+bytes + intercept. The output JSON holds the fits, their R², and the raw samples.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from sklearn.linear_model import LinearRegression
+
+from instgenie.cache.costs import BlockDims, batch_flops, block_dims
+
+MODES = ("cached", "full")
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    slope: float
+    intercept: float
+    r2: float
+    n: int
+
+    def predict(self, x: float) -> float:
+        return max(0.0, self.slope * x + self.intercept)
+
+    @classmethod
+    def fit(cls, x: list[float], y: list[float]) -> LinearFit:
+        X, Y = np.asarray(x, dtype=np.float64)[:, None], np.asarray(y, dtype=np.float64)
+        if len(set(x)) < 2:  # one distinct x: a constant model (R² undefined -> 1 if exact)
+            return cls(0.0, float(Y.mean()), 1.0 if np.ptp(Y) == 0 else 0.0, len(x))
+        reg = LinearRegression().fit(X, Y)
+        return cls(float(reg.coef_[0]), float(reg.intercept_), float(reg.score(X, Y)), len(x))
+
+
+def block_class(d: BlockDims) -> str:
+    return f"{d.kind}:{d.channels}"
+
+
+@dataclass
+class Profile:
+    model: str
+    device: str
+    dtype: str
+    size: int
+    #: block class -> mode -> fit of ms against FLOPs
+    compute: dict[str, dict[str, LinearFit]]
+    #: tier -> fit of ms against bytes
+    load: dict[str, LinearFit]
+    #: block id -> class
+    blocks: dict[int, str]
+    meta: dict
+
+    def compute_ms(self, block_id: int, mode: str, flops: float) -> float:
+        return self.compute[self.blocks[block_id]][mode].predict(flops)
+
+    def load_ms(self, tier: str, nbytes: float) -> float:
+        return self.load[tier].predict(nbytes) if nbytes > 0 else 0.0
+
+    def to_json(self) -> dict:
+        compute = {c: {m: asdict(f) for m, f in fits.items()} for c, fits in self.compute.items()}
+        return {
+            "model": self.model, "device": self.device, "dtype": self.dtype, "size": self.size,
+            "compute": compute,
+            "load": {t: asdict(f) for t, f in self.load.items()},
+            "blocks": {str(b): c for b, c in self.blocks.items()},
+            "meta": self.meta,
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict) -> Profile:
+        return cls(
+            model=data["model"],
+            device=data["device"],
+            dtype=data["dtype"],
+            size=int(data["size"]),
+            compute={
+                c: {m: LinearFit(**f) for m, f in fits.items()}
+                for c, fits in data["compute"].items()
+            },
+            load={t: LinearFit(**f) for t, f in data["load"].items()},
+            blocks={int(b): c for b, c in data["blocks"].items()},
+            meta=data.get("meta", {}),
+        )
+
+    @classmethod
+    def load_file(cls, path: str | Path) -> Profile:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_compute(pipe, size: int, batches, ratios, warmup: int, iters: int, log=print) -> dict:
+    """Samples {class: {mode: [(flops, ms), ...]}} over the (batch, ratio) grid."""
+    from instgenie.engine.masked.context import BlockTimer
+    from instgenie.engine.stepbench import StepBench
+
+    fam = pipe.family
+    ex = fam.masked
+    dims = {b.block_id: block_dims(fam.backbone.get_submodule(b.name), b.block_id, b.kind)
+            for b in ex.blocks}  # fmt: skip
+    bench = StepBench.setup(pipe, size)
+    shapes = pipe.store.meta(bench.template_key).block_shapes
+    samples: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    ex.timer_factory = lambda: BlockTimer(fam.device)
+    try:
+        for batch in batches:
+            for ratio in ratios:
+                states = bench.states(ratio, batch, masked=True)
+                text_len = int(states[0].cond["prompt_embeds"].shape[1])
+                for mode in MODES:
+                    ex.compute_all = frozenset() if mode == "cached" else frozenset(dims)
+                    per_block = _time_blocks(pipe, bench, states, warmup, iters)
+                    for b, ms in per_block.items():
+                        L, _ = shapes[b]
+                        rows = [
+                            idx.numel() if mode == "cached" else L
+                            for s in states
+                            for idx in [s.token_index[L]] * s.num_rows
+                        ]
+                        flops = batch_flops(dims[b], L, rows, text_len)
+                        samples[block_class(dims[b])][mode].append((flops, ms))
+                log(f"profiled batch {batch} ratio {ratio}")
+                del states
+    finally:
+        ex.timer_factory, ex.compute_all = None, frozenset()
+        pipe.store.delete(bench.template_key)
+    return {"samples": samples, "blocks": {b: block_class(d) for b, d in dims.items()}}
+
+
+def _time_blocks(pipe, bench, states, warmup: int, iters: int) -> dict[int, float]:
+    runs: dict[int, list[float]] = defaultdict(list)
+    snap = [(s.latents.clone(), s.step_index) for s in states]
+    for i in range(warmup + iters):
+        for s, (lat, idx) in zip(states, snap, strict=True):
+            s.latents, s.step_index = lat.clone(), idx
+        pipe.denoise_step(states)
+        if i >= warmup:
+            for b, ms in pipe.family.masked.last_context.timer.results_ms().items():
+                runs[b].append(ms)
+    for s, (lat, idx) in zip(states, snap, strict=True):
+        s.latents, s.step_index = lat, idx
+    return {b: statistics.median(v) for b, v in runs.items()}
+
+
+def profile_dram_load(device: torch.device, sizes_mb, iters: int = 5) -> list[tuple[int, float]]:
+    """(bytes, ms) of host -> device copies from pinned host memory (plain memory on CPU)."""
+    out = []
+    for mb in sizes_mb:
+        n = int(mb * 2**20) // 2
+        src = torch.randn(n, dtype=torch.float32).to(torch.bfloat16)
+        if device.type == "cuda":
+            src = src.pin_memory()
+        dst = torch.empty(n, dtype=torch.bfloat16, device=device)
+        times = []
+        for i in range(iters + 1):
+            if device.type == "cuda":
+                a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                dst.copy_(src, non_blocking=True)
+                z.record()
+                z.synchronize()
+                ms = a.elapsed_time(z)
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                ms = 1e3 * (time.perf_counter() - t0)
+            if i:
+                times.append(ms)
+        out.append((n * 2, statistics.median(times)))
+    return out
+
+
+def fit_profile(
+    model: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    size: int,
+    compute: dict,
+    loads: dict[str, list[tuple[int, float]]],
+    meta: dict,
+) -> Profile:
+    fits = {
+        cls: {mode: LinearFit.fit([f for f, _ in pts], [t for _, t in pts])
+              for mode, pts in modes.items()}
+        for cls, modes in compute["samples"].items()
+    }  # fmt: skip
+    load_fits = {
+        t: LinearFit.fit([b for b, _ in pts], [ms for _, ms in pts]) for t, pts in loads.items()
+    }
+    samples = {
+        c: {m: [[float(f), float(t)] for f, t in pts] for m, pts in ms.items()}
+        for c, ms in compute["samples"].items()
+    }
+    load_samples = {t: [[b, ms] for b, ms in pts] for t, pts in loads.items()}
+    meta = dict(meta, compute_samples=samples, load_samples=load_samples)
+    return Profile(
+        model, str(device), str(dtype).removeprefix("torch."), size, fits, load_fits,
+        compute["blocks"], meta,
+    )  # fmt: skip
+
+
+def r2_report(profile: Profile) -> list[str]:
+    lines = []
+    for cls, fits in sorted(profile.compute.items()):
+        for mode, f in fits.items():
+            lines.append(
+                f"compute {cls:>18} {mode:>6}: ms = {f.slope * 1e12:.4f}/TFLOP * FLOPs "
+                f"+ {f.intercept:.4f}   R² = {f.r2:.4f} (n = {f.n})"
+            )
+    for tier, f in sorted(profile.load.items()):
+        gbps = 1.0 / (f.slope * 1e6) if f.slope > 0 else float("inf")
+        lines.append(
+            f"load    {tier:>18}       : {gbps:.1f} GB/s marginal, {f.intercept:.4f} ms fixed   "
+            f"R² = {f.r2:.4f} (n = {f.n})"
+        )
+    return lines
+
+
+ProgressFn = Callable[[str], None]
