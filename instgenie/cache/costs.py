@@ -74,6 +74,9 @@ def batch_flops(d: BlockDims, L: int, masked_per_row: list[int], text_len: int) 
     return 2 * sum(row_macs(d, L, n, text_len) for n in masked_per_row)
 
 
-def cached_bytes(L: int, C: int, rows: int, element_size: int) -> int:
-    """Bytes of `rows` cached block outputs (whole rows: every token of each row)."""
-    return rows * L * C * element_size
+def cached_bytes(L: int, C: int, rows: int, cache_dtype: str) -> int:
+    """Bytes of `rows` cached block outputs as stored (whole rows: every token of each row);
+    fp8 adds one float32 scale per token."""
+    if cache_dtype.startswith("float8"):
+        return rows * L * (C + 4)
+    return rows * L * C * getattr(torch, cache_dtype).itemsize

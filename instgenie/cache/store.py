@@ -31,6 +31,9 @@ class TemplateMeta:
     timesteps: tuple[float, ...] = ()
     #: the capture's latent shape (resolution)
     latent_shape: tuple[int, ...] = ()
+    #: storage dtype of block outputs ("bfloat16", "float16", "float32", "float8_e4m3fn", ...);
+    #: set by the store's writer
+    cache_dtype: str = ""
     #: block id -> (L tokens, C channels)
     block_shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
     nbytes: int = 0
@@ -98,6 +101,7 @@ class InMemoryStore:
             if key in self._ready or key in self._building:
                 state = "ready" if key in self._ready else "building"
                 raise KeyError(f"template cache {key[:12]} is already {state}")
+            meta.cache_dtype = str(self.dtype).removeprefix("torch.") if self.dtype else ""
             entry = _Entry(meta)
             self._building[key] = entry
         return _MemoryWriter(self, key, entry)
@@ -154,6 +158,8 @@ class _MemoryWriter:
         self.store, self.key, self.entry = store, key, entry
 
     def put_block(self, step: int, block_id: int, y: torch.Tensor) -> None:
+        if not self.entry.meta.cache_dtype:
+            self.entry.meta.cache_dtype = str(y.dtype).removeprefix("torch.")
         t = self.store._store(y, quantize=True)
         self.entry.blocks[(step, block_id)] = t
         self.entry.meta.block_shapes[block_id] = (int(t.shape[1]), int(t.shape[2]))

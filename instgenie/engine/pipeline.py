@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from instgenie.cache.costmodel import StepCostModel
+from instgenie.cache.profiler import Profile
 from instgenie.cache.store import ActivationStore, InMemoryStore, TemplateMeta
 from instgenie.config import LimitsConfig
 from instgenie.engine.family import ModelFamily, load_family
@@ -58,12 +60,18 @@ class EditPipeline:
         family: ModelFamily,
         limits: LimitsConfig | None = None,
         store: ActivationStore | None = None,
+        profile: Profile | None = None,
     ) -> None:
         self.family = family
         self.limits = limits or LimitsConfig()
         self.store = store if store is not None else InMemoryStore(family.device)
         family.masked.store = self.store
         self.templates: dict[str, TemplateRecord] = {}
+        #: with a fitted profile, a per-step planner picks the blocks that compute all tokens
+        self.cost_model = None
+        if profile is not None:
+            self.cost_model = StepCostModel.for_family(profile, family)
+            family.masked.planner = self.cost_model.plan
 
     @classmethod
     def load(

@@ -1,0 +1,102 @@
+"""Profile -> per-step costs -> plan: the planner's inputs come from fitted models and block
+shapes, and its decision reaches the masked blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from instgenie.cache.profiler import LinearFit, Profile
+from instgenie.engine.family import load_family
+from instgenie.engine.pipeline import EditPipeline
+from instgenie.engine.request import EditRequest
+from instgenie.engine.templates import TemplateSpec
+from tests.conftest import make_image, make_mask, png_bytes
+
+PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "sdxl-inpaint-tiny-cpu.json"
+
+
+@functools.cache
+def _family():
+    return load_family("sdxl-inpaint:tiny")
+
+
+def _profile(load_slope_ms_per_byte: float, compute_ms: float = 1.0) -> Profile:
+    """A profile with flat compute (cached costs half of full) and a chosen load speed."""
+    base = Profile.load_file(PROFILE)
+    compute = {c: {"cached": LinearFit(0.0, compute_ms / 2, 1.0, 1),
+                   "full": LinearFit(0.0, compute_ms, 1.0, 1)} for c in base.compute}  # fmt: skip
+    return dataclasses.replace(
+        base, compute=compute, load={"dram": LinearFit(load_slope_ms_per_byte, 0.0, 1.0, 1)}
+    )
+
+
+class _HostHandle:
+    """Wraps a device-resident handle but claims to live in host memory: loads are planned."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.device = inner, torch.device("meta")
+
+    def block(self, step, block_id):
+        return self.inner.block(step, block_id)
+
+    def latents(self, step):
+        return self.inner.latents(step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _masked_state(pipe: EditPipeline):
+    img, mask = png_bytes(make_image(128, 128, seed=5)), png_bytes(make_mask(128, 128))
+    key = pipe.build_template(TemplateSpec(image=img, num_inference_steps=2))
+    req = EditRequest(uid="c", image=None, template_id=key, mask=mask, prompt="p",
+                      num_inference_steps=2)  # fmt: skip
+    s = pipe.preprocess(req)
+    s.cache_handle = _HostHandle(s.cache_handle)
+    return s
+
+
+def test_committed_tiny_profile_loads() -> None:
+    prof = Profile.load_file(PROFILE)
+    assert prof.model == "sdxl-inpaint:tiny" and prof.device == "cpu"
+    assert set(prof.blocks) == set(range(_family().masked.num_blocks))
+    assert {"cached", "full"} <= {m for fits in prof.compute.values() for m in fits}
+    assert prof.load["dram"].slope > 0
+
+
+@pytest.mark.parametrize(
+    "slope, expect",
+    [(0.0, "all-cache"), (1.0, "all-full")],  # free loads vs. absurdly slow ones (1 ms per byte)
+)
+def test_plan_follows_load_costs(slope: float, expect: str) -> None:
+    pipe = EditPipeline(_family(), profile=_profile(slope))
+    s = _masked_state(pipe)
+    costs = pipe.cost_model.costs([s])
+    assert costs.num_blocks == pipe.family.masked.num_blocks
+    assert all(c <= f for c, f in zip(costs.compute_cached, costs.compute_full, strict=True))
+    assert (max(costs.load) > 0) == (slope > 0)
+    pipe.denoise_step([s])
+    ctx = pipe.family.masked.last_context
+    if expect == "all-cache":
+        assert ctx.compute_all == frozenset()
+        assert len(ctx.masked_blocks) == pipe.family.masked.num_blocks
+    else:
+        assert ctx.compute_all == frozenset(range(pipe.family.masked.num_blocks))
+        assert ctx.masked_blocks == []
+    assert pipe.cost_model.last_plan.latency_ms <= pipe.cost_model.last_plan.all_cache_ms
+
+
+def test_mixed_plan_loads_only_some_blocks() -> None:
+    """Loads cost about as much as the cached compute saves: the planner splits the blocks."""
+    pipe = EditPipeline(_family(), profile=_profile(2e-5, compute_ms=1.0))
+    s = _masked_state(pipe)
+    costs = pipe.cost_model.costs([s])
+    plan = pipe.cost_model.plan([s], None)
+    assert 0 < len(plan) < costs.num_blocks, costs.load[:3]
+    best = pipe.cost_model.last_plan
+    assert best.latency_ms < min(best.all_cache_ms, best.all_full_ms)
