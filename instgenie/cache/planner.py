@@ -78,7 +78,7 @@ jittered ones 0.02-0.14 % worse than the optimum on average, 1.1 % at worst.
 Where the costs come from is not this module's concern. For a batch, ``compute_cached[i]`` is
 the batch's masked compute estimate (from its total masked work), ``load[i]`` the total bytes of
 the batch's cached rows over the host -> GPU bandwidth, ``compute_full[i]`` the batch's compute
-without cache; e.g. each from a fitted `LinearModel`.
+without cache; e.g. each from a fitted `profiler.LinearFit`.
 """
 
 from __future__ import annotations
