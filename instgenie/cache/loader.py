@@ -70,6 +70,35 @@ class CudaCopyEngine:
         self.stream.synchronize()
 
 
+class SyncCopyEngine:
+    """Devices without streams (CPU): copies happen at once, in program order; events are inert."""
+
+    def event(self) -> None:
+        return None
+
+    def record_compute(self, event: None) -> None:
+        pass
+
+    def record_copy(self, event: None) -> None:
+        pass
+
+    def copy_waits(self, event: None) -> None:
+        pass
+
+    def compute_waits(self, event: None) -> None:
+        pass
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor | QuantizedRows) -> None:
+        copy_rows(dst, src, non_blocking=False)
+
+    def synchronize(self) -> None:
+        pass
+
+
+def copy_engine_for(device: torch.device) -> CopyEngine:
+    return CudaCopyEngine(device) if device.type == "cuda" else SyncCopyEngine()
+
+
 @dataclass
 class BlockLoad:
     """One block's load for this step: where each source tensor goes in the (R, L, C) buffer."""
@@ -166,7 +195,7 @@ class PipelinedLoader:
     def take(self, block_id: int) -> torch.Tensor:
         """The staging buffer of `block_id`, its cached rows loaded (compute stream waits)."""
         slot = self._slots[block_id]
-        if slot.ready is None:
+        if self._next <= slot.position:
             raise RuntimeError(f"block {block_id} was not loaded before its use")
         self.engine.compute_waits(slot.ready)
         return self._buffer(slot.position)

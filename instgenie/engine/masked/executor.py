@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from instgenie.cache.loader import BlockLoad, CopyEngine, CudaCopyEngine, PipelinedLoader
+from instgenie.cache.loader import BlockLoad, CopyEngine, PipelinedLoader, copy_engine_for
 from instgenie.engine.masked import hooks
 from instgenie.engine.masked.context import RequestRows, StepContext
 from instgenie.engine.request import RequestState
@@ -96,7 +96,7 @@ class MaskedExecutor:
 
     def _loader(self, batch: list[RequestState]) -> PipelinedLoader:
         if self.copy_engine is None:
-            self.copy_engine = CudaCopyEngine(self.device)
+            self.copy_engine = copy_engine_for(self.device)
         dtype = batch[0].latents.dtype
         loader = self.loader
         if loader is None or loader.dtype != dtype or loader.num_buffers != self.staging_buffers:

@@ -1,0 +1,165 @@
+"""GPU benchmark (issue 4): per-image latency of masked editing when the template cache lives in
+pinned host memory, for four loading schemes, plus fp8 storage. Not a test.
+
+  naive     each block's cached rows are copied on the compute stream right before the block
+  strawman  block-wise pipelined loading on a copy stream, every block uses the cache
+  dp        pipelined loading, the per-step planner (fitted profile) picks blocks to compute all
+  ideal     the cache already resides in GPU memory
+
+    python bench/bench_loading.py --model sdxl-inpaint:full --profile profiles/X.json
+    python bench/bench_loading.py --model sdxl-inpaint:tiny --device cpu --quick   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_masked_step import environment  # noqa: E402
+from instgenie.cache.costmodel import StepCostModel  # noqa: E402
+from instgenie.cache.profiler import Profile, profile_dram_load  # noqa: E402
+from instgenie.cache.quant import FP8  # noqa: E402
+from instgenie.cache.store import InMemoryStore  # noqa: E402
+from instgenie.engine.family import load_family  # noqa: E402
+from instgenie.engine.imageio import encode_image  # noqa: E402
+from instgenie.engine.pipeline import EditPipeline  # noqa: E402
+from instgenie.engine.quality import psnr, ssim  # noqa: E402
+from instgenie.engine.request import EditRequest  # noqa: E402
+from instgenie.engine.stepbench import _template_image, ratio_mask  # noqa: E402
+from instgenie.engine.templates import TemplateSpec  # noqa: E402
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_edit(
+    pipe: EditPipeline, key: str, mask: bytes, steps: int, stop_after: int | None = None
+) -> tuple[float, object, dict]:
+    """Denoise one masked edit (to completion, or `stop_after` steps for a warm-up); returns
+    (seconds, state, stats)."""
+    req = EditRequest(uid="e", image=None, template_id=key, mask=mask, prompt="a red jacket",
+                      seed=42, num_inference_steps=steps, paste_back=False)  # fmt: skip
+    s = pipe.preprocess(req)
+    assert s.path == "masked", s.path
+    ex = pipe.family.masked
+    loaded, planned = 0, []
+    _sync(pipe.family.device)
+    t0 = time.perf_counter()
+    while not s.is_done:
+        if stop_after is not None and s.step_index >= stop_after:
+            pipe.release(s)
+            break
+        pipe.denoise_step([s])
+        if ex.last_context is not None:
+            planned.append(len(ex.last_context.compute_all))
+            if ex.last_context.loader is not None:
+                loaded += ex.last_context.loader.bytes_loaded
+    _sync(pipe.family.device)
+    return time.perf_counter() - t0, s, {"bytes_loaded": loaded, "compute_all_blocks": planned}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--profile", default=None, help="fitted profile JSON for the dp scheme")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.5])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--fp8-ratio", type=float, default=0.2)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.quick:
+        args.ratios, args.steps = [0.2], 3
+    dev = torch.device(args.device)
+    out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "loading.json")
+    fam = load_family(args.model, device=args.device)
+    size = fam.default_size
+    ideal = EditPipeline(fam, store=InMemoryStore(dev))
+    host = EditPipeline(fam, store=InMemoryStore("cpu", pin_memory=True))
+    host8 = EditPipeline(fam, store=InMemoryStore("cpu", dtype=FP8, pin_memory=True))
+    cost = StepCostModel.for_family(Profile.load_file(args.profile), fam) if args.profile else None
+    ex = fam.masked
+    result = {"env": environment(dev), "model": args.model, "size": size, "steps": args.steps,
+              "dtype": str(fam.dtype), "argv": sys.argv, "rows": [], "fp8": None}  # fmt: skip
+    peak = profile_dram_load(dev, [64, 256])
+    result["pinned_copy_gbps"] = round(peak[-1][0] / peak[-1][1] / 1e6, 2)
+
+    def save(row=None):
+        if row is not None:
+            print(json.dumps(row), flush=True)
+        out_path.write_text(json.dumps(result, indent=1))
+
+    png = encode_image(_template_image(size), "png")
+    spec = TemplateSpec(image=png, prompt="a person", seed=0, num_inference_steps=args.steps)
+    keys = {}
+    for name, pipe in (("ideal", ideal), ("host", host), ("host8", host8)):
+        if name == "host8" and not (args.fp8_ratio and dev.type == "cuda" or args.quick):
+            continue
+        t0 = time.perf_counter()
+        keys[name] = pipe.build_template(spec)
+        _sync(dev)
+        meta = pipe.store.meta(keys[name])
+        save({"capture": name, "s": round(time.perf_counter() - t0, 2), "bytes": meta.nbytes})
+    schemes = [("ideal", ideal, "auto", None), ("naive", host, "naive", None),
+               ("strawman", host, "pipelined", None)]  # fmt: skip
+    if cost is not None:
+        schemes.append(("dp", host, "pipelined", cost.plan))
+    for ratio in args.ratios:
+        mask = encode_image(ratio_mask(size, size, ratio, fam.granule), "png")
+        row, ref = {"mask_ratio": ratio}, None
+        for name, pipe, loading, planner in schemes:
+            ex.loading, ex.planner = loading, planner
+            key = keys["ideal" if name == "ideal" else "host"]
+            run_edit(pipe, key, mask, args.steps, stop_after=2)  # warm-up (kernels, allocator)
+            secs, state, stats = run_edit(pipe, key, mask, args.steps)
+            row[f"s_{name}"] = round(secs, 4)
+            row[f"bytes_{name}"] = stats["bytes_loaded"]
+            if name == "dp":
+                row["dp_compute_all_mean"] = round(
+                    sum(stats["compute_all_blocks"]) / max(1, len(stats["compute_all_blocks"])), 2
+                )
+            if ref is None:
+                ref = state.latents
+            elif name in ("naive", "strawman"):  # same arithmetic as ideal: must be identical
+                row[f"maxdiff_{name}"] = float((state.latents - ref).abs().max())
+        ex.loading, ex.planner = "auto", None
+        row["dp_vs_ideal"] = round(row["s_dp"] / row["s_ideal"], 4) if "s_dp" in row else None
+        result["rows"].append(row)
+        save(row)
+    if "host8" in keys:
+        mask = encode_image(ratio_mask(size, size, args.fp8_ratio, fam.granule), "png")
+        ex.loading, ex.planner = "pipelined", None
+        run_edit(host8, keys["host8"], mask, args.steps, stop_after=2)
+        s8, st8, stats8 = run_edit(host8, keys["host8"], mask, args.steps)
+        run_edit(host, keys["host"], mask, args.steps, stop_after=2)
+        s16, st16, stats16 = run_edit(host, keys["host"], mask, args.steps)
+        ex.loading = "auto"
+        a, b = host.postprocess([st16])[0].image, host8.postprocess([st8])[0].image
+        result["fp8"] = {
+            "mask_ratio": args.fp8_ratio,
+            "s_strawman_fp8": round(s8, 4),
+            "s_strawman_16bit": round(s16, 4),
+            "bytes_per_step_fp8": stats8["bytes_loaded"] // args.steps,
+            "bytes_per_step_16bit": stats16["bytes_loaded"] // args.steps,
+            "cache_bytes_fp8": host8.store.meta(keys["host8"]).nbytes,
+            "cache_bytes_16bit": host.store.meta(keys["host"]).nbytes,
+            "ssim_vs_16bit_cache": round(ssim(a, b), 4),
+            "psnr_vs_16bit_cache": round(psnr(a, b), 2),
+        }
+        save(result["fp8"])
+    save({"done": True})
+
+
+if __name__ == "__main__":
+    main()
