@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from instgenie.cache.costmodel import StepCostModel
+from instgenie.cache.disk import CacheMiss
 from instgenie.cache.profiler import Profile
 from instgenie.cache.store import ActivationStore, InMemoryStore, TemplateMeta
 from instgenie.config import LimitsConfig
@@ -239,8 +240,12 @@ class EditPipeline:
             or any(L not in masks for L, _ in meta.block_shapes.values())
         ):
             return
+        try:
+            handle = self.store.open(key)
+        except CacheMiss:  # evicted, or a corrupt/missing disk entry: recompute in full
+            return
         state.path, state.cache_key, state.cache_meta = "masked", key, meta
-        state.cache_handle = self.store.open(key)
+        state.cache_handle = handle
         state.token_index = {L: m.nonzero().squeeze(1) for L, m in masks.items()}
         state.edit_mask = self.family.edit_mask(masks, state)
         state.extras["cache"] = "hit"

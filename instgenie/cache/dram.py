@@ -1,0 +1,473 @@
+"""Host-DRAM tier: one POSIX shared-memory segment per template, shared by the host's processes.
+
+Segment `igc_<namespace>_<digest[:40]>` (in /dev/shm on Linux), `PAGE + ... + layout.nbytes` bytes:
+    [0, 32)   magic b"IGCSHM01", u64 ready flag, u64 header_nbytes, u64 json length
+    [32, ..)  JSON {"key": full digest, "layout": TemplateLayout.to_dict()}
+    [header_nbytes, +layout.nbytes)  the template (see layout.py); header_nbytes is page-aligned
+The ready flag is written last, after every byte of data; readers refuse a segment without it.
+
+Host index: a CacheIndex (tiers "dram" and, for the tiered store, "disk") stored as JSON in
+`<root>/index-<namespace>.json`, read-modified-written under `fcntl.flock` on
+`<root>/index-<namespace>.lock` (plus a thread lock: flock does not exclude threads sharing one
+open file). References are per owner `"pid:start_time"`; on every read of the index, owners whose
+process is gone (or whose pid was reused: the start time differs) lose their references, and the
+segments they were building are unlinked. Segments are created and unlinked only under the lock,
+so any segment of the namespace that the index does not list is debris and is removed.
+
+Resource tracker: Python < 3.13 registers every SharedMemory (created or merely attached) with the
+multiprocessing resource_tracker, which unlinks it when the registering process tree exits (and
+warns about "leaked" segments). Here a segment must outlive its creator as long as the index lists
+it, so we unregister right after opening (3.13+: track=False) and unlink only through the index
+(`_unlink_shm`, which calls shm_unlink directly: SharedMemory.unlink() would unregister again).
+Registrations happen under the host lock, so register/unregister pairs of processes sharing one
+tracker never interleave.
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import fcntl
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+
+import torch
+
+from instgenie.cache.disk import CacheMiss, check_key
+from instgenie.cache.index import READY, TIERS, CacheFull, CacheIndex, Eviction
+from instgenie.cache.layout import TemplateLayout, align_up, as_uint8
+
+log = logging.getLogger(__name__)
+
+SEG_MAGIC = b"IGCSHM01"
+SEG_HEADER = struct.Struct("<8sQQQ")
+PAGE = 4096
+SHM_DIR = Path("/dev/shm")
+_NS = re.compile(r"[a-z0-9]{1,16}")
+#: SharedMemory objects whose close() hit live views (BufferError); retried on later closes
+_LINGERING: list[shared_memory.SharedMemory] = []
+_LINGERING_LOCK = threading.Lock()
+
+
+def check_namespace(ns: str) -> str:
+    if not isinstance(ns, str) or not _NS.fullmatch(ns):
+        raise ValueError(f"namespace must match [a-z0-9]{{1,16}}, got {ns!r:.40}")
+    return ns
+
+
+def segment_name(namespace: str, key: str) -> str:
+    return f"igc_{check_namespace(namespace)}_{check_key(key)[:40]}"
+
+
+# ---- process identity --------------------------------------------------------------------------
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time in clock ticks since boot) from /proc, None where unavailable."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()  # comm may contain spaces and ')'
+    return fields[0], fields[19]
+
+
+def owner_id(pid: int | None = None) -> str:
+    pid = os.getpid() if pid is None else pid
+    st = _proc_stat(pid)
+    return f"{pid}:{st[1] if st else 0}"
+
+
+def owner_alive(owner: str) -> bool:
+    try:
+        pid_s, start = owner.split(":")
+        pid = int(pid_s)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    except (ValueError, OverflowError):
+        return False  # malformed owner (a damaged index)
+    st = _proc_stat(pid)
+    if st is None:
+        return True
+    return st[0] not in ("Z", "X") and (start == "0" or st[1] == start)
+
+
+# ---- shared memory without the resource tracker ------------------------------------------------
+def _open_shm(name: str, size: int = 0) -> shared_memory.SharedMemory:
+    """Create (size > 0) or attach (size == 0), untracked (see the module docstring)."""
+    try:
+        return shared_memory.SharedMemory(name, create=size > 0, size=size, track=False)
+    except TypeError:  # Python < 3.13: no track argument
+        shm = shared_memory.SharedMemory(name, create=size > 0, size=size)
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        return shm
+
+
+def _unlink_shm(name: str) -> bool:
+    try:
+        _posixshmem.shm_unlink("/" + name)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _close_shm(shm: shared_memory.SharedMemory) -> None:
+    """Unmap; while a caller still holds views, keep the mapping alive (never a dangling view)."""
+    with _LINGERING_LOCK:
+        for s in [*_LINGERING, shm]:
+            try:
+                s.close()
+                if s in _LINGERING:
+                    _LINGERING.remove(s)
+            except BufferError:
+                if s not in _LINGERING:
+                    _LINGERING.append(s)
+
+
+def cleanup(namespace: str) -> int:
+    """Unlink every segment of a namespace (tests, operators); returns how many."""
+    prefix = f"igc_{check_namespace(namespace)}_"
+    if not SHM_DIR.is_dir():
+        return 0
+    return sum(_unlink_shm(p.name) for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
+
+
+def pin(t: torch.Tensor) -> bool:
+    """On CUDA machines, register the tensor's host pages (e.g. a whole shm segment) as pinned:
+    H2D copies from it then run as DMA at full PCIe bandwidth and can be asynchronous, with no
+    staging copy. A no-op returning False without CUDA. Unpin before the memory is unmapped."""
+    return _cudart("cudaHostRegister", t.data_ptr(), t.numel() * t.element_size(), 0)
+
+
+def unpin(t: torch.Tensor) -> bool:
+    return _cudart("cudaHostUnregister", t.data_ptr())
+
+
+def _cudart(fn: str, *args: int) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    rc = int(getattr(torch.cuda.cudart(), fn)(*args))
+    if rc != 0:
+        raise RuntimeError(f"{fn} failed with CUDA error {rc}")
+    return True
+
+
+# ---- one segment -------------------------------------------------------------------------------
+class Segment:
+    """A template's segment mapped into this process; `data` is a zero-copy uint8 view."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, key: str, layout: TemplateLayout) -> None:
+        self.shm, self.key, self.layout = shm, key, layout
+        _, _, hdr, _ = SEG_HEADER.unpack_from(shm.buf)
+        self.data: torch.Tensor | None = as_uint8(shm.buf)[hdr : hdr + layout.nbytes]
+
+    @classmethod
+    def create(cls, namespace: str, key: str, layout: TemplateLayout) -> Segment:
+        name = segment_name(namespace, key)
+        meta = json.dumps({"key": key, "layout": layout.to_dict()}).encode()
+        hdr = align_up(SEG_HEADER.size + len(meta), PAGE)
+        try:
+            shm = _open_shm(name, hdr + layout.nbytes)
+        except FileExistsError:  # debris not listed by the index (we hold the reservation)
+            _unlink_shm(name)
+            shm = _open_shm(name, hdr + layout.nbytes)
+        SEG_HEADER.pack_into(shm.buf, 0, SEG_MAGIC, 0, hdr, len(meta))
+        shm.buf[SEG_HEADER.size : SEG_HEADER.size + len(meta)] = meta
+        return cls(shm, key, layout)
+
+    @classmethod
+    def attach(cls, namespace: str, key: str) -> Segment:
+        """Map a ready segment (CacheMiss if missing, foreign, damaged or not ready)."""
+        try:
+            shm = _open_shm(segment_name(namespace, key))
+        except FileNotFoundError:
+            raise CacheMiss(f"{key[:12]}: no shared-memory segment") from None
+        try:
+            magic, ready, hdr, n = SEG_HEADER.unpack_from(shm.buf)
+            meta = json.loads(bytes(shm.buf[SEG_HEADER.size : SEG_HEADER.size + n]))
+            layout = TemplateLayout.from_dict(meta["layout"])
+            if magic != SEG_MAGIC or meta["key"] != key or hdr + layout.nbytes > shm.size:
+                raise ValueError("foreign or damaged segment")
+            if ready != 1:
+                raise ValueError("segment not ready")
+        except (ValueError, KeyError, TypeError, struct.error) as e:
+            _close_shm(shm)
+            raise CacheMiss(f"{key[:12]}: {e}") from None
+        return cls(shm, key, layout)
+
+    def reserve_memory(self) -> None:
+        """Allocate every page now: on a full /dev/shm this raises OSError(ENOSPC) here instead
+        of SIGBUS at the first write into an unbacked page."""
+        os.posix_fallocate(self.shm._fd, 0, self.shm.size)  # type: ignore[attr-defined]
+
+    def set_ready(self) -> None:
+        struct.pack_into("<Q", self.shm.buf, 8, 1)
+
+    @property
+    def is_ready(self) -> bool:
+        return struct.unpack_from("<Q", self.shm.buf, 8)[0] == 1
+
+    def close(self) -> None:
+        if getattr(self, "data", None) is not None:
+            self.data = None
+            _close_shm(self.shm)
+
+    def __del__(self) -> None:
+        # drop our own view before SharedMemory.__del__ tries to unmap under it
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: module globals may be gone
+            pass
+
+
+# ---- host index --------------------------------------------------------------------------------
+@dataclass
+class Txn:
+    """One locked read-modify-write of the host index. Segments evicted with demotion are kept
+    mapped here (their names already unlinked) and are written to disk after the lock is freed."""
+
+    idx: CacheIndex
+    demotions: list[Segment] = field(default_factory=list)
+
+
+@dataclass
+class DramStats:
+    evictions: int = 0
+    demotions: int = 0
+    dead_owners: int = 0
+    stale_segments: int = 0
+
+
+#: (key, layout, data bytes) -> stored? ; writes an evicted DRAM entry to the disk tier
+DemoteFn = Callable[[str, TemplateLayout, torch.Tensor], bool]
+
+
+class DramTier:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        namespace: str,
+        capacity_bytes: int,
+        *,
+        disk_capacity_bytes: int = 0,
+        demote: DemoteFn | None = None,
+        drop_disk: Callable[[str], object] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """Capacities count template bytes (layout.nbytes), not the 4 KiB segment headers.
+        disk_capacity_bytes > 0 with a demote callback enables demotion (the index then tracks
+        the "disk" tier too); drop_disk deletes a disk entry the index evicted."""
+        self.ns = check_namespace(namespace)
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.owner = owner_id()
+        self.demote, self.drop_disk, self.clock = demote, drop_disk, clock
+        disk = disk_capacity_bytes if demote is not None else 0
+        self.capacities = {"dram": capacity_bytes, "disk": disk}
+        self.stats = DramStats()
+        self._path = self.root / f"index-{self.ns}.json"
+        self._lock_fd = os.open(self.root / f"index-{self.ns}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self._tlock = threading.Lock()
+        self._local = threading.local()
+        self._raw = b""  # the index file as last read (under the lock)
+        with self.txn() as t:  # drop entries whose segment vanished, unlink unlisted segments
+            if SHM_DIR.is_dir():
+                for e in t.idx.entries("dram"):
+                    if not (SHM_DIR / segment_name(self.ns, e.key)).exists():
+                        t.idx.forget(e.key, "dram")
+                listed = {segment_name(self.ns, e.key) for e in t.idx.entries("dram")}
+                for p in SHM_DIR.glob(f"igc_{self.ns}_*"):
+                    if p.name not in listed:
+                        self.stats.stale_segments += _unlink_shm(p.name)
+
+    @contextmanager
+    def txn(self) -> Iterator[Txn]:
+        """Lock, load (dropping dead owners), yield, save even on error (every CacheIndex
+        operation is atomic and side effects may have happened), unlock, then run demotions.
+        Not re-entrant: a nested txn in the same thread raises instead of deadlocking."""
+        if self.in_txn:
+            raise RuntimeError("nested host-index transaction")
+        t: Txn | None = None
+        try:
+            with self._tlock:
+                self._local.busy = True
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+                try:
+                    t = Txn(self._load())
+                    dead = [o for o in t.idx.owners() if o != self.owner and not owner_alive(o)]
+                    for o in dead:
+                        self.apply(t, t.idx.drop_owner(o))
+                    self.stats.dead_owners += len(dead)
+                    for tier, cap in self.capacities.items():
+                        if t.idx.capacities[tier] != cap:
+                            self.apply(t, t.idx.set_capacity(tier, cap))
+                    yield t
+                finally:
+                    if t is not None:
+                        self._save(t.idx)
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                    self._local.busy = False
+        finally:
+            for seg in t.demotions if t is not None else ():
+                self._demote(seg)
+
+    def apply(self, t: Txn, evictions: list[Eviction]) -> None:
+        """Carry out index evictions (under the lock): unlink dropped segments, keep demoted ones
+        mapped for writing after the lock is released, delete evicted disk entries."""
+        for ev in evictions:
+            if ev.tier == "disk":
+                if self.drop_disk is not None:
+                    self.drop_disk(ev.key)
+                continue
+            self.stats.evictions += 1
+            seg = None
+            if ev.demote_to:
+                try:
+                    seg = Segment.attach(self.ns, ev.key)
+                except CacheMiss:
+                    t.idx.abort(ev.key, ev.demote_to)
+            _unlink_shm(segment_name(self.ns, ev.key))
+            if seg is not None:
+                t.demotions.append(seg)
+
+    def _demote(self, seg: Segment) -> None:
+        ok = False
+        try:
+            assert self.demote is not None and seg.data is not None
+            ok = bool(self.demote(seg.key, seg.layout, seg.data))
+        except Exception:
+            log.exception("demotion of %s to disk failed", seg.key[:12])
+        finally:
+            seg.close()
+        with self.txn() as t:
+            if not ok:
+                t.idx.abort(seg.key, "disk")
+            elif not t.idx.commit(seg.key, "disk"):  # the disk tier was switched off meanwhile
+                ok = False
+                if self.drop_disk is not None:
+                    self.drop_disk(seg.key)
+        self.stats.demotions += int(ok)
+
+    def _load(self) -> CacheIndex:
+        self._raw = b""
+        try:
+            self._raw = self._path.read_bytes()
+            idx = CacheIndex.from_dict(json.loads(self._raw), self.clock)
+            for tier in TIERS:
+                for e in idx.entries(tier):
+                    check_key(e.key)  # a damaged index must not name arbitrary segments
+            return idx
+        except FileNotFoundError:
+            pass
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("host cache index %s unreadable (%s): starting empty", self._path, e)
+        return CacheIndex(self.capacities, self.clock)
+
+    def _save(self, idx: CacheIndex) -> None:
+        raw = json.dumps(idx.to_dict()).encode()
+        if raw != self._raw:  # read-only transactions write nothing
+            tmp = self._path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(raw)
+            os.replace(tmp, self._path)
+
+    # ---- entry life cycle -----------------------------------------------------------------------
+    def status(self, key: str) -> str:
+        """ "ready", "building" or "absent" in DRAM."""
+        with self.txn() as t:
+            return t.idx.state(check_key(key), "dram")
+
+    def create(self, key: str, layout: TemplateLayout, fresh: bool = True) -> Segment:
+        """Reserve capacity (evicting/demoting LRU unused entries; CacheFull when impossible) and
+        create the segment, state building. Finish with commit() or abort(). ValueError when the
+        key is already in DRAM (or, if fresh, anywhere: a capture must not shadow a disk copy)."""
+        check_key(key)
+        with self.txn() as t:
+            if fresh and t.idx.get(key, "disk") is not None:
+                raise ValueError(f"{key[:12]} is already {t.idx.state(key, 'disk')} on disk")
+            self.apply(t, t.idx.reserve(key, "dram", layout.nbytes, self.owner))
+            try:
+                seg = Segment.create(self.ns, key, layout)
+            except BaseException:
+                t.idx.abort(key, "dram")
+                raise
+        try:
+            seg.reserve_memory()
+        except OSError as e:
+            self.abort(seg)
+            raise CacheFull(f"/dev/shm cannot hold {layout.nbytes} bytes: {e}") from e
+        return seg
+
+    def commit(self, seg: Segment, acquire: bool = False) -> None:
+        """Set the ready flag (last write), then mark ready; optionally take a reference in the
+        same locked step (so it cannot be evicted in between)."""
+        seg.set_ready()
+        with self.txn() as t:
+            if not t.idx.commit(seg.key, "dram"):
+                raise CacheMiss(f"{seg.key[:12]} vanished while building")
+            if acquire:
+                t.idx.acquire(seg.key, "dram", self.owner)
+
+    def abort(self, seg: Segment) -> None:
+        seg.close()
+        with self.txn() as t:
+            if t.idx.abort(seg.key, "dram"):  # only then is the name still ours
+                _unlink_shm(segment_name(self.ns, seg.key))
+
+    def attach(self, key: str) -> Segment | None:
+        """Map a ready entry and take a reference on it (None if not ready in DRAM)."""
+        with self.txn() as t:
+            e = t.idx.get(check_key(key), "dram")
+            if e is None or e.state != READY:
+                return None
+            try:
+                seg = Segment.attach(self.ns, key)
+            except CacheMiss as err:
+                log.warning("dram entry %s listed but unusable (%s): forgotten", key[:12], err)
+                if not e.refs:
+                    self.apply(t, t.idx.remove(key, "dram"))
+                return None
+            t.idx.acquire(key, "dram", self.owner)
+            return seg
+
+    def release(self, seg: Segment) -> None:
+        seg.close()
+        with self.txn() as t:
+            try:
+                t.idx.release(seg.key, "dram", self.owner)
+            except ValueError:
+                log.warning("release of %s without a reference", seg.key[:12])
+
+    def delete(self, key: str) -> None:
+        """Forget and unlink the DRAM copy (EntryInUse while referenced or building)."""
+        with self.txn() as t:
+            if t.idx.remove(check_key(key), "dram"):
+                self.unlink(key)
+
+    def unlink(self, key: str) -> None:
+        """Remove a segment's name; only inside a txn, after the index forgot the entry."""
+        _unlink_shm(segment_name(self.ns, key))
+
+    @property
+    def in_txn(self) -> bool:
+        """True inside a transaction of this thread (where another one must not start)."""
+        return getattr(self._local, "busy", False)
+
+    def refcounts(self, key: str) -> dict[str, int]:
+        with self.txn() as t:
+            e = t.idx.get(key, "dram")
+            return dict(e.refs) if e else {}
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1

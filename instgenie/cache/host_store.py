@@ -1,0 +1,195 @@
+"""The engine's ActivationStore over the host-level TieredStore (shared DRAM + local disk).
+
+- Writers stream a capture into a DRAM segment. The segment's layout needs every block's shape,
+  which the capture reveals during its first step; step 0's outputs are held until then.
+- `open` returns a handle whose tensors are zero-copy views of the shared segment (fp8 entries
+  come back as QuantizedRows). On CUDA the segment is registered as pinned memory while any
+  handle of this process is open, so the pipelined loader's copies are DMA at full bandwidth.
+- `meta` (the step schedule an edit must match) is kept next to the cache root as JSON, written
+  atomically at commit, so every process of the host can select the masked path.
+A disk entry that is corrupt or missing on open raises CacheMiss: the caller runs the full path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from instgenie.cache.disk import CacheMiss, check_key
+from instgenie.cache.dram import pin, unpin
+from instgenie.cache.layout import TemplateLayout
+from instgenie.cache.quant import FP8, QuantizedRows, quantize_rows
+from instgenie.cache.store import TemplateMeta
+from instgenie.cache.tiered import HostTemplate, TieredStore
+
+__all__ = ["CacheMiss", "HostActivationStore"]
+
+READY = ("dram", "disk")
+
+
+class HostActivationStore:
+    def __init__(self, tiered: TieredStore, root: str | Path, dtype: torch.dtype | None = None):
+        self.tiered = tiered
+        self.dtype = dtype
+        self.meta_dir = Path(root) / "meta"
+        self.meta_dir.mkdir(parents=True, exist_ok=True)
+        self._metas: dict[str, TemplateMeta] = {}
+        self._lock = threading.Lock()
+        #: key -> [open handles in this process, pinned data tensor or None]
+        self._pins: dict[str, list] = {}
+
+    # ---- status / meta ---------------------------------------------------------------------
+    def status(self, key: str) -> str:
+        """ "ready" (in DRAM or on disk), "building" or "absent"."""
+        s = self.tiered.status(key)
+        return "ready" if s in READY else s
+
+    def tier(self, key: str) -> str:
+        return self.tiered.status(key)
+
+    def meta(self, key: str) -> TemplateMeta:
+        with self._lock:
+            meta = self._metas.get(key)
+        if meta is None:
+            path = self.meta_dir / f"{check_key(key)}.json"
+            d = json.loads(path.read_text())
+            d["timesteps"] = tuple(d["timesteps"])
+            d["latent_shape"] = tuple(d["latent_shape"])
+            d["block_shapes"] = {int(b): tuple(s) for b, s in d["block_shapes"].items()}
+            meta = TemplateMeta(**d)
+            with self._lock:
+                self._metas[key] = meta
+        return meta
+
+    def _save_meta(self, key: str, meta: TemplateMeta) -> None:
+        path = self.meta_dir / f"{check_key(key)}.json"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(meta)))
+        os.replace(tmp, path)
+        with self._lock:
+            self._metas[key] = meta
+
+    # ---- write -----------------------------------------------------------------------------
+    def writer(self, key: str, meta: TemplateMeta) -> _StreamingWriter:
+        if self.status(key) != "absent":
+            raise KeyError(f"template cache {key[:12]} is already {self.status(key)}")
+        return _StreamingWriter(self, check_key(key), meta)
+
+    # ---- read ------------------------------------------------------------------------------
+    def open(self, key: str) -> _HostHandle:
+        """Acquire the entry (loading it from disk into DRAM if needed; CacheMiss if that fails)."""
+        host = self.tiered.acquire(key)
+        with self._lock:
+            entry = self._pins.setdefault(key, [0, None])
+            entry[0] += 1
+            if entry[1] is None and torch.cuda.is_available():
+                data = host.data
+                entry[1] = data if pin(data) else None
+        return _HostHandle(self, key, host)
+
+    def _closed(self, key: str) -> None:
+        with self._lock:
+            entry = self._pins[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                if entry[1] is not None:
+                    unpin(entry[1])
+                del self._pins[key]
+
+    def prefetch(self, key: str) -> None:
+        self.tiered.prefetch(key)
+
+    def delete(self, key: str) -> None:
+        self.tiered.delete(key)
+        (self.meta_dir / f"{check_key(key)}.json").unlink(missing_ok=True)
+        with self._lock:
+            self._metas.pop(key, None)
+
+    @property
+    def nbytes(self) -> int:
+        st = self.tiered.stats()
+        return int(st["bytes_dram"])
+
+
+class _HostHandle:
+    device = torch.device("cpu")
+
+    def __init__(self, store: HostActivationStore, key: str, host: HostTemplate) -> None:
+        self._store, self._key, self._host = store, key, host
+        self._fp8 = host.layout.fp8_scales
+
+    def block(self, step: int, block_id: int) -> torch.Tensor | QuantizedRows:
+        y = self._host.block(step, block_id)
+        return QuantizedRows(y, self._host.scales(step, block_id)) if self._fp8 else y
+
+    def latents(self, step: int) -> torch.Tensor:
+        return self._host.latents(step)
+
+    def close(self) -> None:
+        if self._host is not None:
+            self._host.close()
+            self._host = None
+            self._store._closed(self._key)
+
+
+class _StreamingWriter:
+    """Holds step 0 until the layout is known, then streams into a DRAM segment."""
+
+    def __init__(self, store: HostActivationStore, key: str, meta: TemplateMeta) -> None:
+        self.store, self.key, self.meta = store, key, meta
+        self._pending: dict[int, torch.Tensor] = {}
+        self._writer = None
+
+    def _layout(self, latents: torch.Tensor) -> TemplateLayout:
+        first = next(iter(self._pending.values()))
+        dtype = self.store.dtype or first.dtype
+        shapes = tuple(tuple(self._pending[b].shape[1:]) for b in sorted(self._pending))
+        return TemplateLayout(
+            num_steps=self.meta.num_steps,
+            rows=int(first.shape[0]),
+            dtype=str(dtype).removeprefix("torch."),
+            block_shapes=shapes,
+            latent_shape=tuple(latents.shape),
+            latent_dtype=str(latents.dtype).removeprefix("torch."),
+            fp8_scales=dtype == FP8,
+        )
+
+    def _put(self, step: int, block_id: int, y: torch.Tensor) -> None:
+        value = quantize_rows(y) if self.store.dtype == FP8 else y
+        self._writer.put_block(step, block_id, value)
+
+    def put_block(self, step: int, block_id: int, y: torch.Tensor) -> None:
+        if self._writer is None:
+            if step != 0:
+                raise RuntimeError("capture must start at step 0")
+            self._pending[block_id] = y.detach().clone()
+            self.meta.block_shapes[block_id] = (int(y.shape[1]), int(y.shape[2]))
+            return
+        self._put(step, block_id, y)
+
+    def put_latents(self, step: int, latents: torch.Tensor) -> None:
+        if self._writer is None:
+            layout = self._layout(latents)
+            self._writer = self.store.tiered.writer(self.key, layout)
+            for b in sorted(self._pending):
+                self._put(0, b, self._pending[b])
+            self._pending.clear()
+            self.meta.cache_dtype = layout.dtype
+            self.meta.nbytes = layout.nbytes
+        self._writer.put_latents(step, latents)
+
+    def commit(self) -> None:
+        if self._writer is None:
+            raise RuntimeError("incomplete capture: no step finished")
+        self._writer.commit()
+        self.store._save_meta(self.key, self.meta)
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+        self._pending.clear()

@@ -1,0 +1,432 @@
+"""Tiered template store: host DRAM (shared memory) in front of the local disk.
+
+A capture writes straight into a new DRAM segment; commit makes it readable by every process of
+the host. Disk copies are made when capacity pressure demotes an entry (or by `persist`), never on
+the request path. `acquire` hands out zero-copy CPU views and holds a reference, so an entry in use
+is never evicted; an entry that is only on disk is loaded into DRAM first, checksums verified.
+A missing or corrupt disk entry is a CacheMiss: the caller recomputes (counted, quarantined).
+
+Status per key: "dram" (ready in DRAM), "disk" (only on disk), "building" (a capture, a load or a
+demotion is in flight) or "absent".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from instgenie.cache.disk import DEFAULT_CHUNK_BYTES, CacheMiss, DiskTier, check_key
+from instgenie.cache.dram import DramTier, Segment
+from instgenie.cache.index import READY, CacheFull
+from instgenie.cache.layout import TemplateLayout
+
+log = logging.getLogger(__name__)
+
+#: polling period while another thread/process finishes a load or demotion (seconds)
+_POLL_S = 0.005
+
+
+@dataclass
+class TierCounters:
+    hits_dram: int = 0
+    hits_disk: int = 0
+    misses: int = 0
+    prefetches: int = 0
+
+
+class TieredStore:
+    def __init__(
+        self,
+        root: str | Path,
+        namespace: str,
+        dram_capacity_bytes: int,
+        disk_capacity_bytes: int,
+        disk_enabled: bool = True,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        clock: Callable[[], float] = time.time,
+        wait_timeout_s: float = 300.0,
+    ) -> None:
+        """Capacities are template bytes (layout.nbytes) per tier. Every process of the host that
+        uses the same root and namespace shares the DRAM entries and the disk directory."""
+        self.root = Path(root)
+        self.wait_timeout_s = wait_timeout_s
+        self.disk = DiskTier(self.root / "disk", None, chunk_bytes=chunk_bytes,
+                             choose_victims=self._disk_victims)  # fmt: skip
+        self.dram = DramTier(
+            self.root / "host",
+            namespace,
+            dram_capacity_bytes,
+            disk_capacity_bytes=disk_capacity_bytes if disk_enabled else 0,
+            demote=self._demote,
+            drop_disk=self.disk.evict,
+            clock=clock,
+        )
+        self.counters = TierCounters()
+        self._lock = threading.Lock()
+        self._loads: dict[str, Future[None]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="igc-prefetch")
+        self._reconcile_disk()
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def _states(self, key: str) -> tuple[str, str]:
+        with self.dram.txn() as t:
+            return t.idx.state(key, "dram"), t.idx.state(key, "disk")
+
+    def status(self, key: str) -> str:
+        dram, disk = self._states(check_key(key))
+        if dram == READY:
+            return "dram"
+        if "building" in (dram, disk):
+            return "building"
+        return "disk" if disk == READY else "absent"
+
+    def stats(self) -> dict[str, Any]:
+        """This process's hit/miss/eviction counters plus the host's bytes/entries per tier."""
+        out: dict[str, Any] = {}
+        with self.dram.txn() as t:
+            for tier in ("dram", "disk"):
+                out[f"bytes_{tier}"] = t.idx.used(tier)
+                out[f"entries_{tier}"] = len(t.idx.entries(tier))
+            out["disk_enabled"] = t.idx.is_enabled("disk") and self.disk.enabled
+        with self._lock:
+            out.update(asdict(self.counters))
+        d, dr = self.disk.counters(), self.dram.stats
+        out.update(evictions=dr.evictions + d["evictions"], evictions_dram=dr.evictions)
+        out.update(evictions_disk=d["evictions"], demotions=dr.demotions)
+        out.update(corrupt=d["corrupt"], quarantined=d["quarantined"], enospc=d["enospc"])
+        out.update(disk_misses=d["misses"], bytes_read_disk=d["bytes_read"])
+        out.update(bytes_written_disk=d["bytes_written"], dead_owners=dr.dead_owners)
+        return out
+
+    # ---- write -----------------------------------------------------------------------------------
+    def writer(self, key: str, layout: TemplateLayout) -> TemplateWriter:
+        """A writer into a new DRAM segment (ValueError if the key exists in any tier; CacheFull
+        if DRAM is full of entries in use)."""
+        return TemplateWriter(self, self.dram.create(check_key(key), layout, fresh=True))
+
+    def persist(self, key: str) -> bool:
+        """Copy a ready DRAM entry to disk now (blocking). False when not stored."""
+        seg = self.dram.attach(check_key(key))
+        if seg is None:
+            return False
+        try:
+            with self.dram.txn() as t:
+                if t.idx.get(key, "disk") is not None:
+                    return t.idx.state(key, "disk") == READY
+                try:
+                    self.dram.apply(
+                        t, t.idx.reserve(key, "disk", seg.layout.nbytes, self.dram.owner)
+                    )
+                except CacheFull:
+                    return False
+            assert seg.data is not None
+            ok = self.disk.write(key, seg.layout, seg.data)
+            self._disk_written(key, ok)
+            return ok
+        finally:
+            self.dram.release(seg)
+
+    def _demote(self, key: str, layout: TemplateLayout, data: torch.Tensor) -> bool:
+        """DramTier callback, outside the host lock: the index already reserved the disk entry."""
+        ok = self.disk.write(key, layout, data)
+        if not ok and not self.disk.enabled:
+            self._disable_disk()
+        return ok
+
+    def _disk_written(self, key: str, ok: bool) -> None:
+        if not ok and not self.disk.enabled:
+            self._disable_disk()
+            return
+        with self.dram.txn() as t:
+            if ok and not t.idx.commit(key, "disk"):
+                self.disk.delete(key)  # the tier was switched off meanwhile
+            elif not ok:
+                t.idx.abort(key, "disk")
+
+    def _disable_disk(self) -> None:
+        """Run without the disk tier (ENOSPC persisted after eviction); files stay on disk and are
+        indexed again by recover_disk()."""
+        with self.dram.txn() as t:
+            t.idx.disable_tier("disk")
+
+    def recover_disk(self, min_free_bytes: int = 0) -> bool:
+        """Switch the disk tier back on when the filesystem has min_free_bytes free again."""
+        if self.dram.capacities["disk"] == 0 or not self.disk.try_enable(min_free_bytes):
+            return False
+        with self.dram.txn() as t:
+            t.idx.enable_tier("disk")
+        self._reconcile_disk()
+        return True
+
+    def _disk_victims(self, nbytes: int, key: str) -> list[str]:
+        """DiskTier's ENOSPC callback: the index picks LRU unused disk entries; they are deleted
+        here, under the host lock (no process can re-create one of them meanwhile), so nothing
+        is left for DiskTier to delete."""
+        with self.dram.txn() as t:
+            for ev in t.idx.evict_for("disk", nbytes, exclude=key):
+                self.disk.evict(ev.key)
+        return []
+
+    def _reconcile_disk(self) -> None:
+        """Make the index's disk tier match the files (another process or a restart may have
+        changed them); unknown files are indexed by mtime, headers verified."""
+        files = self.disk.scan()  # LRU first, so capacity pressure evicts the oldest
+        with self.dram.txn() as t:
+            if not t.idx.is_enabled("disk"):  # off by configuration or after ENOSPC
+                self.disk.enabled = False
+                return
+            names = {k for k, _, _ in files}
+            for e in t.idx.entries("disk"):
+                if e.state == READY and e.key not in names:
+                    t.idx.forget(e.key, "disk")
+            for k, _, mtime in files:
+                if t.idx.get(k, "disk") is not None:
+                    continue
+                try:
+                    n = self.disk.read_layout(k).nbytes
+                    self.dram.apply(t, t.idx.reserve(k, "disk", n, self.dram.owner))
+                except CacheMiss:
+                    continue
+                except CacheFull:
+                    self.disk.evict(k)
+                    continue
+                t.idx.commit(k, "disk")
+                t.idx.touch(k, "disk", at=mtime)
+
+    # ---- read ------------------------------------------------------------------------------------
+    def acquire(self, key: str) -> HostTemplate:
+        """Zero-copy views of a ready template, held until the handle is closed. Loads from disk
+        first when needed (blocking; waits for an in-flight prefetch). CacheMiss otherwise."""
+        check_key(key)
+        deadline = time.monotonic() + self.wait_timeout_s
+        while True:
+            fut = self._loads.get(key)
+            if fut is not None:
+                try:
+                    fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except Exception:
+                    pass  # counted by the loader; the state below decides
+            seg = self.dram.attach(key)
+            if seg is not None:
+                self._count(hits_dram=1)
+                return HostTemplate(self.dram, seg)
+            dram, disk = self._states(key)
+            if dram == "absent" and disk == READY:
+                try:
+                    seg = self._load(key, acquire=True)
+                except CacheMiss:
+                    self._count(misses=1)
+                    raise
+                if seg is not None:
+                    self._count(hits_disk=1)
+                    return HostTemplate(self.dram, seg)
+            elif not (
+                (dram == "building" and disk == READY) or (dram, disk) == ("absent", "building")
+            ):
+                self._count(misses=1)  # absent, or a capture still in progress
+                raise CacheMiss(f"{key[:12]}: not cached (dram {dram}, disk {disk})")
+            if time.monotonic() > deadline:  # a load/demotion elsewhere takes too long
+                self._count(misses=1)
+                raise CacheMiss(f"{key[:12]}: timed out waiting for a load")
+            time.sleep(_POLL_S)
+
+    def prefetch(self, key: str) -> Future[None] | None:
+        """Start loading a disk-only entry into DRAM in the background; returns at once (None when
+        there is nothing to load). At most one load per key is in flight."""
+        check_key(key)
+        with self._lock:
+            fut = self._loads.get(key)
+            if fut is not None:
+                return fut
+            if self._states(key) != ("absent", READY):
+                return None
+            fut = self._pool.submit(self._load, key, False)
+            self._loads[key] = fut
+            self.counters.prefetches += 1
+        fut.add_done_callback(lambda f: self._forget_load(key, f))
+        return fut  # type: ignore[return-value]
+
+    def _forget_load(self, key: str, fut: Future[Any]) -> None:
+        with self._lock:
+            if self._loads.get(key) is fut:
+                del self._loads[key]
+
+    def _load(self, key: str, acquire: bool) -> Segment | None:
+        """Disk -> new DRAM segment, verified. None when another loader got there first."""
+        try:
+            layout = self.disk.read_layout(key)
+            seg = self.dram.create(key, layout, fresh=False)
+        except ValueError:
+            return None  # already building/ready in DRAM
+        except CacheMiss:
+            self._forget_disk(key)
+            raise
+        except CacheFull as e:
+            raise CacheMiss(f"{key[:12]}: no DRAM room to load it ({e})") from e
+        try:
+            assert seg.data is not None
+            self.disk.read_into(key, layout, seg.data)
+        except BaseException as e:
+            self.dram.abort(seg)
+            if isinstance(e, CacheMiss):
+                self._forget_disk(key)
+            raise
+        self.dram.commit(seg, acquire=acquire)
+        if not acquire:
+            seg.close()
+            return None
+        return seg
+
+    def _forget_disk(self, key: str) -> None:
+        with self.dram.txn() as t:
+            if t.idx.state(key, "disk") == READY:
+                t.idx.forget(key, "disk")
+
+    # ---- delete / close --------------------------------------------------------------------------
+    def delete(self, key: str) -> None:
+        """Remove from every tier (EntryInUse while referenced or being built)."""
+        check_key(key)
+        fut = self._loads.get(key)
+        if fut is not None:
+            fut.exception()  # let an in-flight load finish first
+        with self.dram.txn() as t:
+            for ev in t.idx.remove(key):
+                if ev.tier == "dram":
+                    self.dram.unlink(key)
+            # under the lock: no other process is writing this key's file now (that would be a
+            # building entry, refused above), and none can start before the file is gone
+            self.disk.delete(key)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.dram.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self.counters, k, getattr(self.counters, k) + v)
+
+
+class TemplateWriter:
+    """Fills one DRAM segment; nothing is visible to readers before commit()."""
+
+    def __init__(self, store: TieredStore, seg: Segment) -> None:
+        self.store, self.seg, self.layout = store, seg, seg.layout
+        self.key = seg.key
+        self._blocks: set[tuple[int, int]] = set()
+        self._latents: set[int] = set()
+        self._done = False
+
+    def _copy(self, view: torch.Tensor, t: torch.Tensor, what: str) -> None:
+        if self._done:
+            raise RuntimeError("writer already committed or aborted")
+        if tuple(t.shape) != tuple(view.shape):
+            raise ValueError(f"{what}: shape {tuple(t.shape)} != layout's {tuple(view.shape)}")
+        view.copy_(t.detach())  # casts to the cache dtype; reads from any device
+
+    def put_block(
+        self, step: int, block_id: int, y: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
+        """y: (rows, L_b, C_b); scale: (rows, L_b, 1) float32, required by fp8-scaled layouts.
+        y may also be a quant.QuantizedRows (its .q and .scale are stored)."""
+        if scale is None and hasattr(y, "q") and hasattr(y, "scale"):
+            y, scale = y.q, y.scale
+        assert self.seg.data is not None
+        self._copy(self.layout.block_view(self.seg.data, step, block_id), y, "block")
+        if self.layout.fp8_scales:
+            if scale is None:
+                raise ValueError("this layout stores fp8 scales: pass scale=")
+            self._copy(self.layout.scale_view(self.seg.data, step, block_id), scale, "scale")
+        self._blocks.add((step, block_id))
+
+    def put_latents(self, step: int, latents: torch.Tensor) -> None:
+        assert self.seg.data is not None
+        self._copy(self.layout.latents_view(self.seg.data, step), latents, "latents")
+        self._latents.add(step)
+
+    def commit(self) -> None:
+        n_blocks = self.layout.num_steps * self.layout.num_blocks
+        if len(self._blocks) != n_blocks or len(self._latents) != self.layout.num_steps:
+            self.abort()
+            raise RuntimeError(
+                f"incomplete capture: {len(self._blocks)}/{n_blocks} block outputs, "
+                f"{len(self._latents)}/{self.layout.num_steps} latents"
+            )
+        self._done = True
+        self.store.dram.commit(self.seg)
+        self.seg.close()
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self.store.dram.abort(self.seg)
+
+    def __enter__(self) -> TemplateWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()  # a no-op after commit
+
+
+class HostTemplate:
+    """A reference on a ready DRAM entry; views are valid while the handle is open (after close
+    they stay mapped, never dangling, but the entry may be evicted and its name reused)."""
+
+    def __init__(self, dram: DramTier, seg: Segment) -> None:
+        self._dram, self._seg = dram, seg
+        self.key, self.layout = seg.key, seg.layout
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The whole template as one uint8 tensor (e.g. for dram.pin)."""
+        if self._seg.data is None:
+            raise RuntimeError("handle is closed")
+        return self._seg.data
+
+    def block(self, step: int, block_id: int) -> torch.Tensor:
+        return self.layout.block_view(self.data, step, block_id)
+
+    def scales(self, step: int, block_id: int) -> torch.Tensor:
+        return self.layout.scale_view(self.data, step, block_id)
+
+    def latents(self, step: int) -> torch.Tensor:
+        return self.layout.latents_view(self.data, step)
+
+    @property
+    def closed(self) -> bool:
+        return self._seg.data is None
+
+    def close(self) -> None:
+        if not self.closed:
+            self._dram.release(self._seg)
+
+    def __del__(self) -> None:
+        # a handle dropped without close() would pin its entry until this process exits
+        seg = getattr(self, "_seg", None)
+        if seg is not None and seg.data is not None and not self._dram.in_txn:
+            log.warning("HostTemplate %s garbage-collected while open: released", self.key[:12])
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown
+                pass
+
+    def __enter__(self) -> HostTemplate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,505 @@
+"""DiskTier: format, checksums, quarantine, hostile keys, atomic writes under crashes, ENOSPC."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from instgenie.cache.disk import MAGIC, PREAMBLE, CacheMiss, CorruptEntry, DiskTier
+from instgenie.cache.layout import TemplateLayout
+
+LAYOUT = TemplateLayout(3, 2, "bfloat16", ((50, 70), (30, 40)), (1, 4, 8, 8))
+K1, K2, K3 = "1" * 64, "2" * 64, "3" * 64
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rand_buf(layout: TemplateLayout = LAYOUT, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, generator=g)
+
+
+def read(tier: DiskTier, key: str, layout: TemplateLayout = LAYOUT) -> torch.Tensor:
+    out = torch.empty(layout.nbytes, dtype=torch.uint8)
+    tier.read_into(key, layout, out)
+    return out
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> DiskTier:
+    return DiskTier(tmp_path / "disk", None, chunk_bytes=4096)
+
+
+def test_round_trip_and_format(tier: DiskTier) -> None:
+    buf = rand_buf()
+    assert tier.write(K1, LAYOUT, buf)
+    raw = tier.path(K1).read_bytes()
+    magic, version, hlen, hcrc = PREAMBLE.unpack_from(raw)
+    assert (magic, version) == (MAGIC, 1) and zlib.crc32(raw[24 : 24 + hlen]) == hcrc
+    header = json.loads(raw[24 : 24 + hlen])
+    assert TemplateLayout.from_dict(header["layout"]) == LAYOUT
+    assert header["data_bytes"] == LAYOUT.nbytes and header["chunk_bytes"] == 4096
+    assert len(header["crc32"]) == -(-LAYOUT.nbytes // 4096) > 1
+    off = (24 + hlen + 4095) // 4096 * 4096
+    assert len(raw) == off + LAYOUT.nbytes == tier.file_nbytes(LAYOUT)
+    assert raw[off:] == buf.numpy().tobytes()
+    assert torch.equal(read(tier, K1), buf)
+    assert tier.read_layout(K1) == LAYOUT and tier.keys() == [K1]
+    c = tier.counters()
+    assert c["hits"] == 1 and c["bytes_written"] == c["bytes_read"] == len(raw)
+    # an overwrite replaces the whole entry
+    assert tier.write(K1, LAYOUT, rand_buf(seed=1))
+    assert torch.equal(read(tier, K1), rand_buf(seed=1))
+
+
+def test_fp8_layout_and_memoryview_buffers(tier: DiskTier) -> None:
+    lay = TemplateLayout(2, 1, "float8_e4m3fn", ((16, 32),), (4, 4), "float16", fp8_scales=True)
+    src = bytearray(rand_buf(lay).numpy().tobytes())
+    assert tier.write(K2, lay, memoryview(src))
+    out = bytearray(lay.nbytes)
+    tier.read_into(K2, lay, memoryview(out))
+    assert out == src
+    with pytest.raises(CorruptEntry):  # a layout other than the file's is a mismatch
+        tier.read_into(K2, LAYOUT, torch.empty(LAYOUT.nbytes, dtype=torch.uint8))
+
+
+HOSTILE = [
+    "../x",
+    "../" * 30 + "etc/passwd",
+    "/tmp/evil",
+    "/" + "a" * 63,
+    "a" * 63 + "\x00",
+    "\x00" * 64,
+    "A" * 64,
+    "a" * 65,
+    "a" * 4096,
+    "é" * 64,
+    "a" * 63 + "\n",
+    "a" * 64 + "\n",
+    "",
+    ".",
+    "..",
+    "a" * 62 + "/.",
+]
+
+
+def assert_rejected(tier: DiskTier, root_parent: Path, key: object) -> None:
+    before = sorted(p for p in root_parent.rglob("*"))
+    for call in (
+        lambda: tier.write(key, LAYOUT, rand_buf()),  # type: ignore[arg-type]
+        lambda: tier.read_into(key, LAYOUT, rand_buf()),  # type: ignore[arg-type]
+        lambda: tier.read_layout(key),  # type: ignore[arg-type]
+        lambda: tier.delete(key),  # type: ignore[arg-type]
+        lambda: tier.contains(key),  # type: ignore[arg-type]
+        lambda: tier.path(key),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ValueError):
+            call()
+    assert sorted(p for p in root_parent.rglob("*")) == before
+
+
+@pytest.mark.parametrize("key", HOSTILE + [None, 123, b"1" * 64])
+def test_hostile_keys_rejected(tmp_path: Path, key: object) -> None:
+    tier = DiskTier(tmp_path / "disk", None)
+    assert_rejected(tier, tmp_path, key)
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    key=st.one_of(st.text(max_size=4096), st.text(alphabet="0123456789abcdef/.\x00", max_size=70))
+)
+def test_hostile_keys_hypothesis(tmp_path: Path, key: str) -> None:
+    tier = DiskTier(tmp_path / "disk", None)
+    if len(key) == 64 and all(c in "0123456789abcdef" for c in key):
+        return  # a valid digest
+    assert_rejected(tier, tmp_path, key)
+
+
+def _corrupt_and_check(tier: DiskTier, mutate, exc=CorruptEntry) -> None:  # noqa: ANN001
+    assert tier.write(K1, LAYOUT, rand_buf())
+    mutate(tier.path(K1))
+    with pytest.raises(exc):
+        read(tier, K1)
+    assert not tier.contains(K1)  # never read again
+    with pytest.raises(CacheMiss):
+        read(tier, K1)
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize(
+    "where", ["magic", "version", "header_len", "header", "data_first", "data_last", "pad"]
+)
+def test_flipped_byte_is_quarantined(tier: DiskTier, where: str) -> None:
+    def mutate(p: Path) -> None:
+        size = p.stat().st_size
+        data_off = size - LAYOUT.nbytes
+        offset = {
+            "magic": 0,
+            "version": 8,
+            "header_len": 12,
+            "header": 40,
+            "data_first": data_off,
+            "data_last": size - 1,
+        }.get(where, data_off - 1)
+        flip(p, offset)
+
+    if where == "pad":  # the zero padding before the data is not covered: still readable
+        assert tier.write(K1, LAYOUT, rand_buf())
+        mutate(tier.path(K1))
+        assert torch.equal(read(tier, K1), rand_buf())
+        return
+    _corrupt_and_check(tier, mutate)
+    c = tier.counters()
+    assert c["corrupt"] == 1 and c["quarantined"] == 1 and c["misses"] == 1
+    assert len(list(tier.quarantine_dir.iterdir())) == 1
+
+
+@pytest.mark.parametrize("keep", [0, 10, 24, 100, -1])
+def test_truncation_and_extension(tier: DiskTier, keep: int) -> None:
+    def mutate(p: Path) -> None:
+        size = p.stat().st_size
+        os.truncate(p, size + 1 if keep == -1 else min(keep, size - 1) if keep else size - 1)
+
+    _corrupt_and_check(tier, mutate)
+
+
+def test_deleted_file_is_a_plain_miss(tier: DiskTier) -> None:
+    _corrupt_and_check(tier, lambda p: p.unlink(), exc=CacheMiss)
+    c = tier.counters()
+    assert c["misses"] == 2 and c["corrupt"] == 0 and c["quarantined"] == 0
+
+
+def test_unreadable_entry(tier: DiskTier) -> None:
+    def mutate(p: Path) -> None:
+        if os.geteuid() != 0:
+            p.chmod(0)
+        else:  # root reads mode-000 files: make the entry unreadable another way
+            p.unlink()
+            p.mkdir()
+
+    _corrupt_and_check(tier, mutate)
+    assert tier.counters()["quarantined"] == 1
+
+
+def test_symlinked_entry_is_not_followed(tier: DiskTier, tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"secret")
+    _corrupt_and_check(tier, lambda p: (p.unlink(), p.symlink_to(target)))
+    assert target.read_bytes() == b"secret"
+
+
+def test_crash_mid_write_keeps_old_entry(tier: DiskTier) -> None:
+    assert tier.write(K1, LAYOUT, rand_buf(seed=0))
+    calls = []
+
+    def dying_pwrite(fd: int, mv: memoryview, off: int) -> int:
+        calls.append(off)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # a crash in the middle of the data
+        return os.pwrite(fd, mv, off)
+
+    tier._pwrite = dying_pwrite
+    with pytest.raises(KeyboardInterrupt):
+        tier.write(K1, LAYOUT, rand_buf(seed=1))
+    assert torch.equal(read(tier, K1), rand_buf(seed=0))
+    assert [p.name for p in tier.entries_dir.iterdir()] == [f"{K1}.igc"]  # temp removed
+
+
+def test_reader_never_sees_a_partial_entry(tier: DiskTier) -> None:
+    assert tier.write(K1, LAYOUT, rand_buf(seed=0))
+    started, go = threading.Event(), threading.Event()
+
+    def slow_pwrite(fd: int, mv: memoryview, off: int) -> int:
+        started.set()
+        go.wait(5)
+        return os.pwrite(fd, mv, off)
+
+    tier._pwrite = slow_pwrite
+    t = threading.Thread(target=tier.write, args=(K1, LAYOUT, rand_buf(seed=1)))
+    t.start()
+    assert started.wait(5)
+    assert torch.equal(read(tier, K1), rand_buf(seed=0))  # old entry while the new is written
+    with pytest.raises(CacheMiss):
+        read(tier, K2)
+    go.set()
+    t.join(5)
+    assert torch.equal(read(tier, K1), rand_buf(seed=1))
+
+
+WRITER = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    from instgenie.cache.disk import DiskTier
+    from instgenie.cache.layout import TemplateLayout
+    lay = TemplateLayout(4, 2, "float32", ((256, 256),), (4, 64, 64))
+    tier = DiskTier(sys.argv[1], None, chunk_bytes=4096)
+    n = [0]
+    def pwrite(fd, mv, off):
+        n[0] += 1
+        if n[0] == 5:
+            print("writing", flush=True)
+            time.sleep(60)
+        return os.pwrite(fd, mv, off)
+    tier._pwrite = pwrite
+    tier.write(sys.argv[2], lay, torch.ones(lay.nbytes, dtype=torch.uint8))
+    """
+)
+
+
+def test_sigkill_during_write_leaves_old_entry_and_temp_is_cleaned(tmp_path: Path) -> None:
+    lay = TemplateLayout(4, 2, "float32", ((256, 256),), (4, 64, 64))
+    tier = DiskTier(tmp_path / "disk", None, chunk_bytes=4096)
+    old = rand_buf(lay, seed=3)
+    assert tier.write(K1, lay, old)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path / "disk"), K1],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(10)
+    temps = [p for p in tier.entries_dir.iterdir() if p.name.endswith(".tmp")]
+    assert len(temps) == 1 and temps[0].stat().st_size > 0  # the crash debris
+    assert tier.keys() == [K1]
+    out = torch.empty(lay.nbytes, dtype=torch.uint8)
+    tier.read_into(K1, lay, out)
+    assert torch.equal(out, old)
+    DiskTier(tmp_path / "disk", None)  # the next start removes the dead writer's temp file
+    assert [p.name for p in tier.entries_dir.iterdir()] == [f"{K1}.igc"]
+
+
+def enospc_after(tier: DiskTier, fail_calls: set[int]) -> list[int]:
+    calls: list[int] = []
+
+    def pwrite(fd: int, mv: memoryview, off: int) -> int:
+        calls.append(off)
+        if len(calls) in fail_calls:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return os.pwrite(fd, mv, off)
+
+    tier._pwrite = pwrite
+    return calls
+
+
+def test_enospc_evicts_lru_and_retries_once(tier: DiskTier) -> None:
+    assert tier.write(K1, LAYOUT, rand_buf(seed=1))
+    assert tier.write(K2, LAYOUT, rand_buf(seed=2))
+    os.utime(tier.path(K1), (1000, 1000))  # K1 is the least recently used
+    os.utime(tier.path(K2), (2000, 2000))
+    enospc_after(tier, {2})
+    assert tier.write(K3, LAYOUT, rand_buf(seed=3))
+    assert sorted(tier.keys()) == sorted([K2, K3]) and tier.enabled
+    assert torch.equal(read(tier, K3), rand_buf(seed=3))
+    c = tier.counters()
+    assert c["enospc"] == 1 and c["evictions"] == 1
+    assert not [p for p in tier.entries_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_enospc_twice_switches_tier_off_without_raising(tier: DiskTier) -> None:
+    assert tier.write(K1, LAYOUT, rand_buf(seed=1))
+    calls = enospc_after(tier, set(range(1, 1000)))
+    assert tier.write(K2, LAYOUT, rand_buf(seed=2)) is False
+    assert not tier.enabled and tier.counters()["enospc"] == 2
+    assert not [p for p in tier.entries_dir.iterdir() if p.name.endswith(".tmp")]
+    n = len(calls)
+    assert tier.write(K3, LAYOUT, rand_buf()) is False and len(calls) == n  # no more tries
+    tier._pwrite = os.pwrite
+    assert tier.try_enable(min_free_bytes=1)  # space came back
+    assert tier.write(K3, LAYOUT, rand_buf(seed=3))
+    assert torch.equal(read(tier, K3), rand_buf(seed=3))
+
+
+def test_other_write_errors_are_reported_not_raised(tier: DiskTier) -> None:
+    def eio(fd: int, mv: memoryview, off: int) -> int:
+        raise OSError(errno.EIO, "I/O error")
+
+    tier._pwrite = eio
+    assert tier.write(K1, LAYOUT, rand_buf()) is False
+    assert tier.enabled and tier.counters()["write_errors"] == 1 and tier.keys() == []
+
+
+def test_capacity_evicts_least_recently_read(tmp_path: Path) -> None:
+    size = DiskTier(tmp_path / "probe", None, chunk_bytes=4096).file_nbytes(LAYOUT)
+    tier = DiskTier(tmp_path / "disk", int(2.5 * size), chunk_bytes=4096)
+    assert tier.write(K1, LAYOUT, rand_buf(seed=1))
+    assert tier.write(K2, LAYOUT, rand_buf(seed=2))
+    os.utime(tier.path(K1), (1000, 1000))
+    os.utime(tier.path(K2), (2000, 2000))
+    read(tier, K1)  # refreshes K1's mtime: K2 becomes the LRU entry
+    assert tier.write(K3, LAYOUT, rand_buf(seed=3))
+    assert sorted(tier.keys()) == sorted([K1, K3]) and tier.used_bytes() <= 2.5 * size
+    assert tier.counters()["evictions"] == 1
+    small = DiskTier(tmp_path / "small", size - 1)
+    assert small.write(K1, LAYOUT, rand_buf()) is False
+
+
+def test_injected_victim_policy(tmp_path: Path) -> None:
+    asked = []
+
+    def victims(nbytes: int, key: str) -> list[str]:
+        asked.append((nbytes, key))
+        return [K2]
+
+    tier = DiskTier(tmp_path / "disk", None, chunk_bytes=4096, choose_victims=victims)
+    assert tier.write(K1, LAYOUT, rand_buf(seed=1)) and tier.write(K2, LAYOUT, rand_buf(seed=2))
+    enospc_after(tier, {1})
+    assert tier.write(K3, LAYOUT, rand_buf(seed=3))
+    assert asked == [(tier.file_nbytes(LAYOUT), K3)]
+    assert sorted(tier.keys()) == sorted([K1, K3])
+
+
+def test_scan_ignores_foreign_files_and_live_temps(tier: DiskTier) -> None:
+    (tier.entries_dir / "notes.txt").write_text("x")
+    live = tier.entries_dir / f".{K1}.1.{'0' * 32}.tmp"  # pid 1 is alive
+    live.write_bytes(b"x")
+    assert tier.keys() == []
+    DiskTier(tier.root, None)
+    assert live.exists()
+
+
+# ---- the layout (the body of every file and segment) --------------------------------------------
+def slabs(lay: TemplateLayout) -> list[tuple[int, int]]:
+    """(offset, nbytes) of every slab, in buffer order."""
+    out = []
+    for s in range(lay.num_steps):
+        for b in range(lay.num_blocks):
+            off, shape = lay.slab(s, b)
+            out.append((off, torch.Size(shape).numel() * lay.torch_dtype.itemsize))
+            if lay.fp8_scales:
+                off, shape = lay.scale_slab(s, b)
+                out.append((off, torch.Size(shape).numel() * 4))
+        off, shape = lay.latents_slab(s)
+        itemsize = torch.empty(0, dtype=getattr(torch, lay.latent_dtype)).element_size()
+        out.append((off, torch.Size(shape).numel() * itemsize))
+    return out
+
+
+layouts = st.builds(
+    TemplateLayout,
+    num_steps=st.integers(1, 6),
+    rows=st.integers(1, 2),
+    dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+    block_shapes=st.lists(
+        st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=5
+    ).map(tuple),  # fmt: skip
+    latent_shape=st.lists(st.integers(1, 9), min_size=1, max_size=4).map(tuple),
+    latent_dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+) | st.builds(
+    lambda n, shapes: TemplateLayout(n, 2, "float8_e4m3fn", shapes, (4, 3), fp8_scales=True),
+    st.integers(1, 4),
+    st.lists(st.tuples(st.integers(1, 50), st.integers(1, 50)), min_size=1, max_size=3).map(tuple),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(lay=layouts)
+def test_layout_is_step_major_aligned_and_dense(lay: TemplateLayout) -> None:
+    parts = slabs(lay)
+    assert all(off % 256 == 0 for off, _ in parts)
+    assert parts == sorted(parts)  # step-major, blocks in id order, latents last in each step
+    for (a, n), (b, _) in zip(parts, parts[1:], strict=False):
+        assert a + n <= b < a + n + 256  # no overlap, only alignment padding between slabs
+    assert parts[-1][0] + parts[-1][1] <= lay.nbytes < parts[-1][0] + parts[-1][1] + 256
+    assert lay.nbytes == lay.step_nbytes * lay.num_steps
+    assert TemplateLayout.from_json(lay.to_json()) == lay
+
+
+def test_layout_views_share_memory() -> None:
+    buf = torch.zeros(LAYOUT.nbytes, dtype=torch.uint8)
+    v = LAYOUT.block_view(buf, 2, 1)
+    assert v.shape == (2, 30, 40) and v.dtype == torch.bfloat16
+    v.fill_(1.0)
+    off, _ = LAYOUT.slab(2, 1)
+    assert int(buf[off + 1]) == 0x3F and v.data_ptr() == buf.data_ptr() + off
+    raw = bytearray(LAYOUT.nbytes)
+    LAYOUT.latents_view(memoryview(raw), 0)[0, 0, 0, 0] = 2.0
+    assert raw[LAYOUT.latents_slab(0)[0] + 3] == 0x40
+    with pytest.raises(IndexError):
+        LAYOUT.slab(3, 0)
+    with pytest.raises(IndexError):
+        LAYOUT.slab(0, 2)
+    with pytest.raises(ValueError):  # no fp8 scales in a bf16 layout
+        LAYOUT.scale_slab(0, 0)
+    with pytest.raises(ValueError):  # the buffer is too small
+        LAYOUT.block_view(buf[:100], 0, 0)
+
+
+def test_layout_from_meta() -> None:
+    from instgenie.cache.store import TemplateMeta
+
+    meta = TemplateMeta(num_steps=4, num_rows=2, latent_shape=(1, 4, 8, 8),
+                        block_shapes={1: (10, 8), 0: (20, 8)})  # fmt: skip
+    lay = TemplateLayout.from_meta(meta, "float8_e4m3fn")
+    assert lay.block_shapes == ((20, 8), (10, 8)) and lay.fp8_scales
+    meta.block_shapes = {0: (1, 1), 2: (1, 1)}
+    with pytest.raises(ValueError):
+        TemplateLayout.from_meta(meta, "bfloat16")
+
+
+GOOD = LAYOUT.to_dict()
+BAD = [
+    {"num_steps": -1},
+    {"num_steps": 0},
+    {"num_steps": True},
+    {"num_steps": 3.0},
+    {"num_steps": "3"},
+    {"rows": 3},
+    {"dtype": "int8"},
+    {"dtype": "float64"},
+    {"latent_dtype": "float8_e4m3fn"},
+    {"block_shapes": []},
+    {"block_shapes": [[1, 2, 3]]},
+    {"block_shapes": [[0, 4]]},
+    {"block_shapes": [[-4, 4]]},
+    {"block_shapes": [[2**40, 4]]},
+    {"block_shapes": [[2**31, 2**31]], "num_steps": 10_000},  # 2^62 * ... bytes: overflow
+    {"block_shapes": "[[1, 2]]"},
+    {"latent_shape": []},
+    {"latent_shape": [1, -1]},
+    {"fp8_scales": True},  # needs the fp8 dtype
+    {"fp8_scales": 1},
+    {"version": 2},
+    {"extra": 1},
+]
+
+
+@pytest.mark.parametrize("patch", BAD, ids=[str(b)[:40] for b in BAD])
+def test_layout_json_is_strict(patch: dict) -> None:
+    with pytest.raises(ValueError):
+        TemplateLayout.from_json(json.dumps(GOOD | patch))
+
+
+@pytest.mark.parametrize("text", ["", "nul", "[]", "{}", b"\xff\xfe", '{"version": 1}'])
+def test_layout_json_garbage(text: str | bytes) -> None:
+    with pytest.raises(ValueError):
+        TemplateLayout.from_json(text)
+    missing = dict(GOOD)
+    del missing["rows"]
+    with pytest.raises(ValueError):
+        TemplateLayout.from_dict(missing)
