@@ -471,7 +471,7 @@ BAD = [
     {"num_steps": "3"},
     {"rows": 3},
     {"dtype": "int8"},
-    {"dtype": "float64"},
+    {"dtype": "complex64"},
     {"latent_dtype": "float8_e4m3fn"},
     {"block_shapes": []},
     {"block_shapes": [[1, 2, 3]]},
