@@ -189,6 +189,44 @@ def profile_dram_load(device: torch.device, sizes_mb, iters: int = 5) -> list[tu
     return out
 
 
+def profile_disk_load(root: str | Path, sizes_mb, iters: int = 2) -> list[tuple[int, float]]:
+    """(bytes, ms) of reading a checksummed disk entry into host memory (crc32 verified as it
+    streams). The page cache is dropped for the file when the OS allows (posix_fadvise), so the
+    numbers are the device's, not RAM's."""
+    import hashlib
+    import os
+
+    from instgenie.cache.disk import DiskTier
+    from instgenie.cache.layout import TemplateLayout
+
+    disk = DiskTier(Path(root), None)
+    out = []
+    for mb in sizes_mb:
+        C = 1024
+        L = max(1, int(mb * 2**20) // (2 * C))
+        layout = TemplateLayout(num_steps=1, rows=1, dtype="bfloat16", block_shapes=((L, C),),
+                                latent_shape=(1,), latent_dtype="float32")  # fmt: skip
+        buf = torch.randint(0, 255, (layout.nbytes,), dtype=torch.uint8)
+        key = hashlib.sha256(f"profile-{mb}".encode()).hexdigest()
+        if not disk.write(key, layout, buf):
+            raise RuntimeError(f"disk tier at {root} refused a {mb} MB profile entry")
+        path = disk.entries_dir / f"{key}.igc"
+        times = []
+        for _ in range(iters):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            t0 = time.perf_counter()
+            disk.read_into(key, layout, buf)
+            times.append(1e3 * (time.perf_counter() - t0))
+        disk.delete(key)
+        out.append((layout.nbytes, statistics.median(times)))
+    return out
+
+
 def fit_profile(
     model: str,
     device: torch.device,
