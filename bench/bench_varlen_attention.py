@@ -17,14 +17,19 @@ Every variant is first checked against the fp32 torch reference (``_reference``)
 inputs. Lengths are in tokens; a composition's fractions are the masked share of each request's
 maskable (image) tokens; keys are all L tokens (for Flux: 4096 image + 512 text).
 
-    python bench/bench_varlen_attention.py [--out PATH] [--cudagraph] [--sweep]
+    python bench/bench_varlen_attention.py [--out PATH] [--cudagraph] [--sweep [--pick]]
+        [--precompile N]
     TRITON_INTERPRET=1 python bench/bench_varlen_attention.py --quick   # CPU smoke run
 
 ``--cudagraph`` times CUDA-graph replays (``do_bench_cudagraph``), which removes host launch
 overhead; the eager default includes it, as eager serving would. On an H200 with torch 2.11
 the default SDPA dispatch was cuDNN attention; each row records the dispatched aten op.
-``--sweep`` also times candidate tile configurations of the kernel (to revisit
-``_pick_config``). Prints a markdown table and writes JSON to ``--out`` (default
+``--sweep`` first times the candidate configurations in ``SWEEP`` (tiles, TMA descriptors, warp
+specialization; to revisit ``_pick_config``) on the mixed4/full2 batches, each checked against
+the reference; ``--pick`` then times the table with each head dim's best candidate (lowest
+geometric-mean time) instead of ``_pick_config``'s choice. ``--precompile N`` compiles every
+kernel specialization the run needs in N processes first (Triton's disk cache), which cuts the
+wall time of a sweep several-fold. Prints a markdown table and writes JSON to ``--out`` (default
 ``$OUT/varlen_attention.json`` when OUT is set, else ``out/varlen_attention.json`` under the
 repository root).
 """
@@ -39,7 +44,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -253,27 +258,94 @@ def forced_config(cfg: va._Config) -> Iterator[None]:
         va._pick_config = saved
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per padded head dim.
+# Candidate configurations per padded head dim (va._Config). The first of each list is the
+# pointer-load configuration that was the default before the TMA / warp-specialized variants.
+_C = va._Config
 SWEEP = {
-    64: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (64, 128, 4, 3),
-         (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)],
-    128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3),
-          (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5), (128, 128, 8, 3), (128, 32, 8, 3)],
+    64: [_C(64, 64, 4, 3)],
+    128: [_C(128, 64, 8, 3),
+          _C(128, 128, 4, 2, kv_desc=2, warp_spec=True, linear_grid=True),
+          _C(128, 128, 4, 2, kv_desc=2, warp_spec=True, linear_grid=True, even_n=False),
+          _C(128, 64, 4, 2, kv_desc=2, warp_spec=True, linear_grid=True)],
     # --quick (interpreter) smoke coverage of the sweep path only.
-    16: [(16, 16, 1, 1), (32, 16, 1, 1)],
-    32: [(16, 32, 1, 1)],
+    16: [_C(16, 16, 1, 1), _C(32, 16, 1, 1), _C(16, 16, 1, 1, 2, True, linear_grid=True)],
+    32: [_C(16, 32, 1, 1), _C(16, 16, 1, 1, 1)],
 }  # fmt: skip
+# Measured on an H200 (triton 3.6); geometric-mean ms over flux mixed4/full2 x fp16/bf16 (runs
+# 1 / 2 / 3). In the list above: pointer 128x64/8/3 0.939 / 0.936 / 0.941; warp-specialized
+# 128x128/4/2 with the key mask in every iteration 0.917 / 0.926 / 0.944, without it (EVEN_N)
+# 0.864 (run 3); warp-specialized 128x64/4/2 0.976 / 0.970 (masked), 0.929 (EVEN_N).
+# Dropped: 128x128/8/3 0.950; TMA host descriptors 128x64/8/3 0.990, 128x128/8/2 1.048;
+# in-kernel descriptors 128x64/8/3 1.009, 128x128/8/2 1.074; loop-carried pointers 128x64/8/3
+# 0.969; warp-specialized 128x128/4/2 on the 3-D grid 0.929 (masked); warp-specialized with
+# num_stages 3 or 4: wrong results (Triton 3.6 compiler). D=64 (sdxl, 4 problems, pointer
+# 64x64/4/3 = 0.0860 / 0.0875 / 0.0880): 64x64/4/4 0.0871, in-kernel descriptors 64x64/4/3
+# 0.0921, 128x64/8/3 0.0931, loop-carried pointers 0.0923, warp-specialized 128x128/4/2 0.1194,
+# 128x64/4/2 0.1288. Lazy rescaling (skip acc *= alpha unless a row max grows by > 8 in log2
+# units, as in FlashAttention-4) was not timed: its tile-uniform `if` makes Triton 3.6 wait on
+# every wgmma (one HGMMA in flight), which costs more than the multiply it saves.
+
+
+def _sweep_problems(comps: list[Composition]) -> list[Composition]:
+    return [c for c in comps if c.mix in ("mixed4", "full2")]
+
+
+def _forced(picked: dict[int, va._Config]) -> contextlib.AbstractContextManager:
+    """Force ``picked[block_d]`` for those head dims, the heuristic elsewhere."""
+    saved = va._pick_config
+
+    @contextlib.contextmanager
+    def ctx() -> Iterator[None]:
+        va._pick_config = lambda block_d, dtype: picked.get(block_d) or saved(block_d, dtype)
+        try:
+            yield
+        finally:
+            va._pick_config = saved
+
+    return ctx()
+
+
+def _warm_one(job: tuple) -> str:
+    """Subprocess: compile (and run once) one kernel specialization into Triton's disk cache."""
+    comp, dtype_name, tile, fn_name = job
+    dtype = getattr(torch, dtype_name)
+    prob = make_problem(comp, dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    fn = VARIANTS[fn_name]
+    try:
+        if tile is None:
+            fn(prob)
+        else:
+            with forced_config(va._Config(*tile)):
+                fn(prob)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return "ok"
+    except Exception as err:  # reported by the timing pass too
+        return f"{type(err).__name__}: {str(err)[:200]}"
+
+
+def precompile(jobs: list[tuple], workers: int) -> None:
+    """Populate Triton's on-disk kernel cache in parallel processes (compiles are CPU-bound)."""
+    import concurrent.futures
+    import multiprocessing
+
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        results = list(pool.map(_warm_one, jobs))
+    bad = [(j[0].name, j[1], j[2], r) for j, r in zip(jobs, results, strict=True) if r != "ok"]
+    print(f"precompiled {len(jobs)} specializations in {time.perf_counter() - t0:.1f} s "
+          f"with {workers} processes; {len(bad)} failed: {bad}", flush=True)  # fmt: skip
 
 
 def sweep(comps: list[Composition], dtypes: list[torch.dtype], device: torch.device, args):
     rows = []
-    picked = [c for c in comps if c.mix in ("mixed4", "full2")]
-    for comp in picked:
+    for comp in _sweep_problems(comps):
         for dtype in dtypes:
             prob = make_problem(comp, dtype, device)
             ref = va._reference(prob.q, prob.k, prob.v, prob.cu_q, prob.cu_k, prob.scale)
-            for tile in SWEEP.get(comp.head_dim, []):
-                cfg = va._Config(*tile)
+            for cfg in SWEEP.get(comp.head_dim, []):
+                tile = astuple(cfg)
                 with forced_config(cfg):
                     try:
                         check(f"triton {tile}", run_triton(prob), ref, dtype)
@@ -283,12 +355,30 @@ def sweep(comps: list[Composition], dtypes: list[torch.dtype], device: torch.dev
                         continue
                 rows.append(
                     {"composition": comp.name, "dtype": str(dtype).removeprefix("torch."),
-                     "config": asdict(cfg), "ms": ms,
-                     "tflops": attention_flops(comp) / ms / 1e9}
+                     "head_dim": comp.head_dim, "tile": list(tile), "config": asdict(cfg),
+                     "ms": ms, "tflops": attention_flops(comp) / ms / 1e9}
                 )  # fmt: skip
                 print(f"sweep {comp.name:32s} {rows[-1]['dtype']:8s} {tile}: {ms:.4f} ms")
             del prob, ref
     return rows
+
+
+def pick_best(rows: list[dict]) -> dict[int, va._Config]:
+    """Per head dim: the tile with the lowest geometric-mean time over every swept problem."""
+    best = {}
+    for d in sorted({r["head_dim"] for r in rows}):
+        problems = {(r["composition"], r["dtype"]) for r in rows if r["head_dim"] == d}
+        scores = {}
+        for tile in {tuple(r["tile"]) for r in rows if r["head_dim"] == d}:
+            ms = [r["ms"] for r in rows if r["head_dim"] == d and tuple(r["tile"]) == tile]
+            if len(ms) == len(problems):  # ran (and passed the check) everywhere
+                scores[tile] = statistics.geometric_mean(ms)
+        if scores:
+            tile = min(scores, key=scores.get)
+            best[max(16, triton.next_power_of_2(d))] = va._Config(*tile)
+            ranked = sorted(scores.items(), key=lambda kv: kv[1])
+            print(f"D={d}: geomean ms by tile: " + ", ".join(f"{t}: {v:.4f}" for t, v in ranked))
+    return best
 
 
 def main() -> None:
@@ -297,6 +387,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON output path")
     parser.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays")
     parser.add_argument("--sweep", action="store_true", help="also time kernel tile configs")
+    parser.add_argument(
+        "--pick", action="store_true", help="with --sweep: time the table with each D's best tile"
+    )
+    parser.add_argument(
+        "--precompile", type=int, default=0, metavar="N", help="compile in N processes first"
+    )
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -311,8 +407,48 @@ def main() -> None:
 
     dtypes = [torch.float16, torch.bfloat16]
     comps = compositions(args.quick)
-    rows = []
     t_start = time.perf_counter()
+    dnames = [str(d).removeprefix("torch.") for d in dtypes]
+    if args.sweep and args.precompile and device.type == "cuda":
+        precompile(
+            [(c, dn, astuple(cfg), "triton") for c in _sweep_problems(comps) for dn in dnames
+             for cfg in SWEEP.get(c.head_dim, [])],
+            args.precompile,
+        )  # fmt: skip
+    sweep_rows = sweep(comps, dtypes, device, args) if args.sweep else []
+    picked = pick_best(sweep_rows) if args.pick else {}
+    if args.precompile and device.type == "cuda":  # the worker processes do not see `picked`
+        tiles = {d: astuple(c) for d, c in picked.items()}
+        precompile(
+            [(c, dn, tiles.get(max(16, triton.next_power_of_2(c.head_dim))), v)
+             for c in comps for dn in dnames for v in ("triton", "triton_qidx")],
+            args.precompile,
+        )  # fmt: skip
+    with _forced(picked):
+        rows = table(comps, dtypes, device, args)
+
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "flash_attn": None if flash_attn_varlen_func is None else "available",
+        "timing": ("do_bench_cudagraph" if args.cudagraph else "do_bench")
+        if device.type == "cuda"
+        else "perf_counter (CPU interpreter smoke run; not a performance number)",
+        "quick": args.quick,
+        "seconds": time.perf_counter() - t_start,
+        "picked": {str(d): asdict(c) for d, c in picked.items()},
+        "rows": rows,
+        "sweep": sweep_rows,
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1))
+    report(rows, result, out_path)
+
+
+def table(comps: list[Composition], dtypes: list[torch.dtype], device: torch.device, args):
+    """Check every variant against the reference, then time it, for every composition."""
+    rows = []
     for comp in comps:
         for dtype in dtypes:
             seed = int.from_bytes(os.urandom(4), "little")
@@ -344,24 +480,10 @@ def main() -> None:
                 f"best sdpa {best_torch:.4f} ms, x{row['speedup_vs_best_sdpa']:.2f}",
                 flush=True,
             )
-    sweep_rows = sweep(comps, dtypes, device, args) if args.sweep else []
+    return rows
 
-    result = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "flash_attn": None if flash_attn_varlen_func is None else "available",
-        "timing": ("do_bench_cudagraph" if args.cudagraph else "do_bench")
-        if device.type == "cuda"
-        else "perf_counter (CPU interpreter smoke run; not a performance number)",
-        "quick": args.quick,
-        "seconds": time.perf_counter() - t_start,
-        "rows": rows,
-        "sweep": sweep_rows,
-    }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1))
 
+def report(rows: list[dict], result: dict, out_path: Path) -> None:
     names = list(VARIANTS)
     print(f"\n{result['device']}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{result['timing']}; ms (median)\n")  # fmt: skip

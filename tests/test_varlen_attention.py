@@ -34,6 +34,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from triton_kernels import varlen_attention as va  # noqa: E402
 from triton_kernels.varlen_attention import (  # noqa: E402
     _interpreting,
     _reference,
@@ -153,6 +154,71 @@ def test_q_index_gather(index_dtype: torch.dtype, dtype: torch.dtype) -> None:
     got = _run(src, k, v, cu_q, cu_k, n_q, n_k, q_index=index)
     ref = _reference(src[index.long()], k, v, cu_q, cu_k)
     torch.testing.assert_close(got, ref, **TOLS[dtype])
+
+
+# Non-default configurations (see _Config): TMA host descriptors, in-kernel descriptors, warp
+# specialization, the request-major linear grid and loop-carried pointers, at interpreter tile
+# sizes or GPU ones. Fields: block_m, block_n, num_warps, num_stages, kv_desc, warp_spec,
+# ptr_inc, linear_grid.
+CONFIGS = {
+    "host_desc": (16, 16, 1, 1, 1) if DEVICE == "cpu" else (128, 64, 8, 3, 1),
+    "device_desc": (16, 16, 1, 1, 2) if DEVICE == "cpu" else (128, 64, 8, 3, 2),
+    "warp_spec": (16, 16, 1, 1, 2, True) if DEVICE == "cpu" else (128, 64, 4, 2, 2, True),
+    "warp_spec_linear": (32, 16, 1, 1, 2, True, False, True)
+    if DEVICE == "cpu"
+    else (128, 128, 4, 2, 2, True, False, True),
+    "pointer_linear_inc": (16, 16, 1, 1, 0, False, True, True)
+    if DEVICE == "cpu"
+    else (64, 64, 4, 3, 0, False, True, True),
+}
+
+
+@pytest.mark.parametrize("case", ["b2_zero_q_and_one_key", "b3_mixed", "b5_mixed"])
+@pytest.mark.parametrize("tile", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_configs_match_reference(
+    case: str, tile: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The TMA paths need a power-of-two D and 16-byte aligned rows: D=32, fp16/bf16.
+    cfg = va._Config(*CONFIGS[tile])
+    monkeypatch.setattr(va, "_pick_config", lambda block_d, dtype: cfg)
+    n_q, n_k = CASES[case]
+    q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 32, dtype)
+    assert not cfg.kv_desc or va._tma_ok(cfg, q, k, v, None, 32, 32) or DEVICE == "cuda"
+    out = torch.full((sum(n_q), 2, 32), float("nan"), dtype=dtype, device=DEVICE)
+    got = _run(q, k, v, cu_q, cu_k, n_q, n_k, out=out)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, _reference(q, k, v, cu_q, cu_k), **TOLS[dtype])
+    # A q_index gather has no TMA form: warp-specialized configs fall back to pointer loads.
+    index = torch.randperm(sum(n_q), device=DEVICE)
+    got = _run(q, k, v, cu_q, cu_k, n_q, n_k, q_index=index)
+    torch.testing.assert_close(got, _reference(q[index], k, v, cu_q, cu_k), **TOLS[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_warp_spec_even_keys(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every request has max_seqlen_k keys, a multiple of BLOCK_N: the warp-specialized loop runs
+    # without the key mask (EVEN_N).
+    cfg = va._Config(*CONFIGS["warp_spec_linear"])
+    monkeypatch.setattr(va, "_pick_config", lambda block_d, dtype: cfg)
+    n_q, n_k = [5, 0, 20, 1], [4 * cfg.block_n] * 4
+    q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 32, dtype)
+    got = _run(q, k, v, cu_q, cu_k, n_q, n_k)
+    torch.testing.assert_close(got, _reference(q, k, v, cu_q, cu_k), **TOLS[dtype])
+
+
+def test_warp_spec_even_keys_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    # total_k == B * max_seqlen_k although max_seqlen_k under-estimates request 2 (validate=False):
+    # requests whose n_k is not a multiple of BLOCK_N get NaN rows instead of wrong values.
+    cfg = va._Config(*CONFIGS["warp_spec_linear"])
+    monkeypatch.setattr(va, "_pick_config", lambda block_d, dtype: cfg)
+    bn = cfg.block_n
+    n_q, n_k = [3, 4, 2], [bn // 2, bn, 3 * bn // 2]
+    q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 32, torch.float16)
+    got = varlen_attention(q, k, v, cu_q, cu_k, 4, bn, validate=False)
+    assert torch.isnan(got[:3]).all() and torch.isnan(got[7:]).all()
+    ref = _reference(q, k, v, cu_q, cu_k)
+    torch.testing.assert_close(got[3:7], ref[3:7], **TOLS[torch.float16])
 
 
 def test_no_queries_returns_empty_without_launch() -> None:
