@@ -55,6 +55,10 @@ class SimEngine:
         copy_rows(dst, src, non_blocking=False)
         self.log.append(("copy", dst.data_ptr(), src.shape.numel()))
 
+    def copies(self, pairs) -> None:
+        for dst, src in pairs:
+            self.copy(dst, src)
+
     def synchronize(self) -> None:
         self.log.append(("sync",))
 
@@ -85,6 +89,27 @@ def test_ring_reuse_waits_for_consumers(num_buffers: int) -> None:
     copies = [i for i, e in enumerate(eng.log) if e[0] == "copy"]
     assert len(copies) == 7
     assert len([e for e in eng.log if e[0] == "copy_waits"]) == 1 + (7 - num_buffers)
+
+
+def test_staging_budget_enqueues_every_load_at_once() -> None:
+    eng = SimEngine()
+    loads = _loads(6)
+    one = loads[0].shape[0] * loads[0].shape[1] * loads[0].shape[2] * 4
+    loader = PipelinedLoader(eng, torch.device("cpu"), torch.float32, num_buffers=2,
+                             max_staging_bytes=6 * one)  # fmt: skip
+    loader.start_step(loads, list(range(6)))
+    assert sum(1 for e in eng.log if e[0] == "copy") == 6
+    for b in range(6):
+        assert torch.equal(loader.take(b), torch.full((2, 8, 4), float(b + 1)))
+        loader.block_done(b)
+    # no buffer was reused, so the copy stream only waited for the previous step's end
+    assert [e for e in eng.log if e[0] == "copy_waits"] == [("copy_waits", 1)]
+    # a budget for 4 buffers: the first 4 loads at once, the rest as blocks finish
+    eng2 = SimEngine()
+    loader2 = PipelinedLoader(eng2, torch.device("cpu"), torch.float32, num_buffers=2,
+                              max_staging_bytes=4 * one)  # fmt: skip
+    loader2.start_step(_loads(6), list(range(6)))
+    assert sum(1 for e in eng2.log if e[0] == "copy") == 4
 
 
 def test_skipped_blocks_and_partial_rows() -> None:
@@ -121,6 +146,7 @@ def test_replay_exact_through_the_staging_ring(num_buffers: int) -> None:
     eng = SimEngine()
     ex.loading, ex.copy_engine, ex.loader = "pipelined", eng, None
     ex.compute_all, ex.staging_buffers = frozenset({0, 5, 6}), num_buffers
+    ex.max_staging_bytes = 0  # exercise the ring's reuse, not one buffer per block
     try:
         s = pipe.preprocess(EditRequest(uid="m", image=None, template_id=key, mask=mask, **common))
         while not s.is_done:
@@ -129,7 +155,7 @@ def test_replay_exact_through_the_staging_ring(num_buffers: int) -> None:
         assert ex.loader.num_buffers == num_buffers
     finally:
         ex.loading, ex.copy_engine, ex.loader, ex.compute_all = "auto", None, None, frozenset()
-        ex.staging_buffers = 3
+        ex.staging_buffers, ex.max_staging_bytes = 3, 2 << 30
     tol = 1e-9 * float(full.latents.abs().max())
     assert float((s.latents - full.latents).abs().max()) <= tol
     meta = pipe.store.meta(key)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from instgenie.cache.costs import BlockDims, batch_flops, block_dims, cached_bytes
 from instgenie.cache.planner import BlockCosts, Plan, plan_step
 from instgenie.cache.profiler import Profile
-from instgenie.engine.masked.context import StepContext
+from instgenie.engine.masked.context import StepContext, composition_key
 from instgenie.engine.request import RequestState
 
 
@@ -23,6 +23,7 @@ class StepCostModel:
         self.device = compute_device
         #: the last step's plan (observability: the step log records it)
         self.last_plan: Plan | None = None
+        self._last_key: tuple | None = None
 
     @classmethod
     def for_family(cls, profile: Profile, family) -> StepCostModel:
@@ -59,7 +60,10 @@ class StepCostModel:
         return BlockCosts(cached_ms, full_ms, load_ms)
 
     def plan(self, batch: list[RequestState], ctx: StepContext) -> frozenset[int]:
-        """The executor's planner hook: block ids that compute all tokens this step."""
-        plan = plan_step(self.costs(batch))
-        self.last_plan = plan
-        return frozenset(plan.compute_all)
+        """The executor's planner hook: block ids that compute all tokens this step. Costs do
+        not depend on the step index, so a batch of the same requests reuses the last plan."""
+        key = composition_key(batch)
+        if key != self._last_key or self.last_plan is None:
+            self.last_plan = plan_step(self.costs(batch))
+            self._last_key = key
+        return frozenset(self.last_plan.compute_all)

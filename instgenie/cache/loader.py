@@ -61,10 +61,14 @@ class CudaCopyEngine:
         torch.cuda.current_stream(self.device).wait_event(event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor | QuantizedRows) -> None:
+        self.copies([(dst, src)])
+
+    def copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor | QuantizedRows]]) -> None:
         # fp8 rows are copied as bytes and dequantised on the copy stream, so the compute
-        # stream only ever sees compute-dtype rows
+        # stream only ever sees compute-dtype rows; one stream switch for the whole list
         with torch.cuda.stream(self.stream):
-            copy_rows(dst, src, non_blocking=True)
+            for dst, src in pairs:
+                copy_rows(dst, src, non_blocking=True)
 
     def synchronize(self) -> None:
         self.stream.synchronize()
@@ -90,6 +94,10 @@ class SyncCopyEngine:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor | QuantizedRows) -> None:
         copy_rows(dst, src, non_blocking=False)
+
+    def copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor | QuantizedRows]]) -> None:
+        for dst, src in pairs:
+            copy_rows(dst, src, non_blocking=False)
 
     def synchronize(self) -> None:
         pass
@@ -127,8 +135,11 @@ class PipelinedLoader:
     engine: CopyEngine
     device: torch.device
     dtype: torch.dtype
-    #: staging buffers in the ring (>= 2: one being computed into, one being loaded)
+    #: most staging buffers in the ring (>= 2: one being computed into, one being loaded)
     num_buffers: int = 3
+    #: device memory the ring may use, bytes; the ring grows up to one buffer per loaded block
+    #: within it, so small steps enqueue every load at once (no per-block host work)
+    max_staging_bytes: int = 0
     _ring: list[torch.Tensor] = field(default_factory=list)
     _loads: list[BlockLoad] = field(default_factory=list)
     _slots: dict[int, _Slot] = field(default_factory=dict)
@@ -147,13 +158,14 @@ class PipelinedLoader:
         self._slots = {ld.block_id: _Slot(p) for p, ld in enumerate(loads)}
         self._done, self._next, self.bytes_loaded = {}, 0, 0
         need = max((ld.shape[0] * ld.shape[1] * ld.shape[2] for ld in loads), default=0)
-        if need and (not self._ring or self._ring[0].numel() < need):
+        size = self.dtype.itemsize * need
+        fit = self.max_staging_bytes // size if size else 0
+        count = max(self.num_buffers, min(len(loads), fit))
+        if need and (len(self._ring) < count or self._ring[0].numel() < need):
             # the old ring may still be read/written by queued work: drain before freeing it
             self.engine.synchronize()
-            self._ring = [
-                torch.empty(need, dtype=self.dtype, device=self.device)
-                for _ in range(self.num_buffers)
-            ]
+            self._ring = [torch.empty(need, dtype=self.dtype, device=self.device)
+                          for _ in range(count)]  # fmt: skip
         # the previous step's work on the ring must finish before this step overwrites it
         step_start = self.engine.event()
         self.engine.record_compute(step_start)
@@ -163,7 +175,7 @@ class PipelinedLoader:
     def _buffer(self, position: int) -> torch.Tensor:
         shape = self._loads[position].shape
         n = shape[0] * shape[1] * shape[2]
-        return self._ring[position % self.num_buffers][:n].view(shape)
+        return self._ring[position % len(self._ring)][:n].view(shape)
 
     def _consumer(self, block_id: int) -> int | None:
         """The hooked block that reads `block_id`'s output (the next one in order)."""
@@ -172,18 +184,20 @@ class PipelinedLoader:
 
     def _pump(self) -> None:
         """Enqueue every load whose staging buffer is free by now."""
+        ring = len(self._ring)
         while self._next < len(self._loads):
             pos = self._next
-            if pos >= self.num_buffers:
-                prev = self._loads[pos - self.num_buffers].block_id
+            if pos >= ring:
+                prev = self._loads[pos - ring].block_id
                 consumer = self._consumer(prev)
                 # the previous occupant's consumer must have been recorded as done
                 if consumer is None or consumer not in self._done:
                     return
                 self.engine.copy_waits(self._done[consumer])
             ld, buf = self._loads[pos], self._buffer(pos)
-            for first_row, src in ld.sources:
-                self.engine.copy(buf[first_row : first_row + src.shape[0]], src)
+            self.engine.copies(
+                [(buf[first : first + src.shape[0]], src) for first, src in ld.sources]
+            )
             ready = self.engine.event()
             self.engine.record_copy(ready)
             self._slots[ld.block_id].ready = ready
@@ -202,6 +216,8 @@ class PipelinedLoader:
 
     def block_done(self, block_id: int) -> None:
         """Called after every hooked block's forward has been enqueued."""
+        if self._next >= len(self._loads):
+            return  # every load is already enqueued: nothing can wait for this block
         ev = self.engine.event()
         self.engine.record_compute(ev)
         self._done[block_id] = ev

@@ -263,3 +263,17 @@ class StepContext:
         for req in self.requests:
             if req.writer is not None:
                 req.writer.put_block(req.step, block_id, y[req.start : req.start + req.num_rows])
+
+
+def composition_key(batch: list) -> tuple:
+    """What a step's token sets and load plan depend on: which requests, their CFG rows, and
+    whether (and from where) each reads a cache. Equal keys = reusable across steps."""
+    return tuple(
+        (
+            s.uid,
+            s.num_rows,
+            s.cache_key,
+            None if s.cache_handle is None else str(s.cache_handle.device),
+        )
+        for s in batch
+    )

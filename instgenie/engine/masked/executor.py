@@ -21,7 +21,7 @@ import torch
 
 from instgenie.cache.loader import BlockLoad, CopyEngine, PipelinedLoader, copy_engine_for
 from instgenie.engine.masked import hooks
-from instgenie.engine.masked.context import RequestRows, StepContext
+from instgenie.engine.masked.context import RequestRows, StepContext, composition_key
 from instgenie.engine.request import RequestState
 
 #: (batch, context) -> block ids that compute all tokens this step (the load planner)
@@ -44,11 +44,14 @@ class MaskedExecutor:
         #: "naive": copy each block's rows on the compute stream right before its use
         self.loading = "auto"
         self.copy_engine: CopyEngine | None = None
-        #: staging buffers in the loader's ring (each holds one block's (R, L, C) output)
+        #: fewest staging buffers in the loader's ring (each holds one block's (R, L, C) output),
+        #: and the device memory the ring may grow to (then every load is enqueued at once)
         self.staging_buffers = 3
+        self.max_staging_bytes = 2 << 30
         self.loader: PipelinedLoader | None = None
         #: the context of the last step (tests and the step log read it)
         self.last_context: StepContext | None = None
+        self._token_cache: tuple | None = None
         #: a BlockTimer attached to every step's context (the profiler sets it)
         self.timer_factory: Callable[[], object] | None = None
 
@@ -76,6 +79,12 @@ class MaskedExecutor:
             )
             start += s.num_rows
         ctx = StepContext(rows, self.device, self.compute_all, self.attention_backend)
+        # token sets depend only on the batch's composition: reuse them across its steps
+        key = composition_key(batch)
+        if self._token_cache is not None and self._token_cache[0] == key:
+            ctx._tokens, ctx._joint = self._token_cache[1], self._token_cache[2]
+        else:
+            self._token_cache = (key, ctx._tokens, ctx._joint)
         if self.timer_factory is not None:
             ctx.timer = self.timer_factory()
         if self.planner is not None and ctx.reads_cache:
@@ -101,8 +110,9 @@ class MaskedExecutor:
         loader = self.loader
         if loader is None or loader.dtype != dtype or loader.num_buffers != self.staging_buffers:
             self.loader = PipelinedLoader(
-                self.copy_engine, self.device, dtype, num_buffers=self.staging_buffers
-            )
+                self.copy_engine, self.device, dtype, num_buffers=self.staging_buffers,
+                max_staging_bytes=self.max_staging_bytes,
+            )  # fmt: skip
         return self.loader
 
     def _loads(self, ctx: StepContext, batch: list[RequestState]) -> list[BlockLoad]:
