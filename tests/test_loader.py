@@ -187,3 +187,21 @@ def test_block_ids_follow_execution_order(family: str) -> None:
         for h in handles:
             h.remove()
     assert seen == list(range(fam.masked.num_blocks))
+
+
+def test_per_batch_reuse_never_crosses_requests() -> None:
+    """Token sets are reused across the steps of one batch only: a new request with the same
+    uid and template but another mask must get its own."""
+    pipe = _pipe()
+    img = png_bytes(make_image(128, 128, seed=3))
+    key = pipe.build_template(TemplateSpec(image=img, num_inference_steps=2))
+    counts = []
+    for box in ((0.1, 0.1, 0.3, 0.3), (0.1, 0.1, 0.9, 0.9)):
+        s = pipe.preprocess(EditRequest(uid="same", image=None, template_id=key, prompt="p",
+                                        mask=png_bytes(make_mask(128, 128, box)),
+                                        num_inference_steps=2))  # fmt: skip
+        pipe.denoise_step([s])
+        ts = pipe.family.masked.last_context._tokens
+        counts.append(sum(t.total for t in ts.values()))
+        pipe.release(s)
+    assert counts[0] < counts[1]

@@ -42,7 +42,7 @@ class EditRequest:
     template_id: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: a state is one request's evolving run
 class RequestState:
     """Per-request denoising state. Tensors live on the model's device.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -266,12 +267,12 @@ class StepContext:
 
 
 def composition_key(batch: list) -> tuple:
-    """What a step's token sets and load plan depend on: which requests, their CFG rows, and
-    whether (and from where) each reads a cache. Equal keys = reusable across steps."""
+    """What a step's token sets and load plan depend on: which request states (by identity —
+    weak references, so a dead state never matches a new one at the same address, and a uid may
+    be reused), and whether (and from where) each reads a cache. Equal keys = the same batch."""
     return tuple(
         (
-            s.uid,
-            s.num_rows,
+            weakref.ref(s),
             s.cache_key,
             None if s.cache_handle is None else str(s.cache_handle.device),
         )
