@@ -3,6 +3,7 @@ every cached row arrives through the staging ring."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -58,6 +59,9 @@ class SimEngine:
     def copies(self, pairs) -> None:
         for dst, src in pairs:
             self.copy(dst, src)
+
+    def session(self):
+        return contextlib.nullcontext()
 
     def synchronize(self) -> None:
         self.log.append(("sync",))

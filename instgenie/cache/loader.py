@@ -19,7 +19,8 @@ simulated engine that checks the ordering invariants on CPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,7 +35,9 @@ class CopyEngine(Protocol):
     def record_copy(self, event: Any) -> None: ...
     def copy_waits(self, event: Any) -> None: ...
     def compute_waits(self, event: Any) -> None: ...
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def copy(self, dst: torch.Tensor, src: torch.Tensor | QuantizedRows) -> None: ...
+    def copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor | QuantizedRows]]) -> None: ...
+    def session(self) -> contextlib.AbstractContextManager: ...
     def synchronize(self) -> None: ...
 
 
@@ -44,6 +47,7 @@ class CudaCopyEngine:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self._active = False
 
     def event(self) -> torch.cuda.Event:
         return torch.cuda.Event()
@@ -65,10 +69,24 @@ class CudaCopyEngine:
 
     def copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor | QuantizedRows]]) -> None:
         # fp8 rows are copied as bytes and dequantised on the copy stream, so the compute
-        # stream only ever sees compute-dtype rows; one stream switch for the whole list
-        with torch.cuda.stream(self.stream):
+        # stream only ever sees compute-dtype rows
+        with self.session():
             for dst, src in pairs:
                 copy_rows(dst, src, non_blocking=True)
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Make the copy stream current once for many copies (a stream switch costs host time
+        that a launch-bound step cannot spare)."""
+        if self._active:
+            yield
+            return
+        self._active = True
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            self._active = False
 
     def synchronize(self) -> None:
         self.stream.synchronize()
@@ -98,6 +116,9 @@ class SyncCopyEngine:
     def copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor | QuantizedRows]]) -> None:
         for dst, src in pairs:
             copy_rows(dst, src, non_blocking=False)
+
+    def session(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def synchronize(self) -> None:
         pass
@@ -184,6 +205,10 @@ class PipelinedLoader:
 
     def _pump(self) -> None:
         """Enqueue every load whose staging buffer is free by now."""
+        with self.engine.session():
+            self._pump_loads()
+
+    def _pump_loads(self) -> None:
         ring = len(self._ring)
         while self._next < len(self._loads):
             pos = self._next
