@@ -129,3 +129,21 @@ def test_fp8_host_entries(tmp_path) -> None:
         tiered.close()
         cleanup(ns)
     assert not [n for n in os.listdir("/dev/shm") if ns in n]
+
+
+def test_prefetch_at_queue_time_loads_disk_entry_once(host_pipe) -> None:
+    pipe = host_pipe
+    key, full, edit = _replay(pipe)
+    assert pipe.store.tiered.persist(key)
+    pipe.store.tiered.dram.delete(key)
+    assert pipe.store.tier(key) == "disk"
+    fut = pipe.prefetch(key)  # the request is queued: start the disk read now
+    assert fut is not None
+    fut.result(timeout=60)
+    assert pipe.store.tier(key) == "dram"
+    read = pipe.store.tiered.stats()["bytes_read_disk"]
+    s = _run(pipe, edit)
+    assert s.path == "masked"
+    assert pipe.store.tiered.stats()["bytes_read_disk"] == read  # no second disk read
+    _close(s.latents, full.latents)
+    assert pipe.prefetch("f" * 64) is None  # unknown template: nothing to do

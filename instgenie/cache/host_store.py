@@ -101,8 +101,9 @@ class HostActivationStore:
                     unpin(entry[1])
                 del self._pins[key]
 
-    def prefetch(self, key: str) -> None:
-        self.tiered.prefetch(key)
+    def prefetch(self, key: str):
+        """Disk -> DRAM in the background (a Future), or None if already in DRAM / absent."""
+        return self.tiered.prefetch(key)
 
     def delete(self, key: str) -> None:
         self.tiered.delete(key)

@@ -202,6 +202,15 @@ class EditPipeline:
             self.denoise_step([state])
         return key
 
+    def prefetch(self, template_id: str):
+        """Start moving a template's cache from disk into host DRAM now, in the background.
+        Call it when a request is queued: the queueing time then hides the disk read (paper
+        §4.2). Returns the store's future, or None when there is nothing to do."""
+        fn = getattr(self.store, "prefetch", None)
+        if fn is None or template_id not in self.templates:
+            return None
+        return fn(template_id)
+
     # ---- pre-process ---------------------------------------------------------------------------
     def _prepare(
         self, req: EditRequest, image: Image.Image, mask: Image.Image, height: int, width: int
