@@ -23,6 +23,7 @@ from PIL import Image
 
 from instgenie.engine import textenc
 from instgenie.engine.adapters.base import WEIGHTS_SEED, AdapterBase
+from instgenie.engine.adapters.vae import vae_config
 from instgenie.engine.build import build_seeded
 from instgenie.engine.masked.context import use_context
 from instgenie.engine.masked.tokens import flux_token_masks
@@ -60,36 +61,15 @@ TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
-VAE_CONFIGS: dict[str, dict[str, Any]] = {
-    "full": dict(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=16,
-        block_out_channels=[128, 256, 512, 512],
-        down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4,
-        layers_per_block=2,
-        sample_size=1024,
+VAE_CONFIGS = {
+    size: vae_config(
+        size,
         scaling_factor=0.3611,
         shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ),
-    "tiny": dict(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=[16, 32, 32],
-        down_block_types=["DownEncoderBlock2D"] * 3,
-        up_block_types=["UpDecoderBlock2D"] * 3,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=128,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ),
+        latent_channels=16 if size == "full" else 4,
+        quant_conv=False,
+    )
+    for size in ("full", "tiny")
 }
 
 SCHEDULER_CONFIG = dict(

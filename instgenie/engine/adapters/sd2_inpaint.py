@@ -19,6 +19,7 @@ from diffusers import (
 from instgenie.engine import textenc
 from instgenie.engine.adapters.base import WEIGHTS_SEED
 from instgenie.engine.adapters.unet_inpaint import UNetInpaintAdapter
+from instgenie.engine.adapters.vae import vae_config
 from instgenie.engine.build import build_seeded
 from instgenie.engine.request import EditRequest
 
@@ -57,31 +58,8 @@ UNET_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
-VAE_CONFIGS: dict[str, dict[str, Any]] = {
-    "full": dict(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=[128, 256, 512, 512],
-        down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4,
-        layers_per_block=2,
-        sample_size=768,
-        scaling_factor=0.18215,
-    ),
-    # vae_scale_factor 4
-    "tiny": dict(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=[16, 32, 32],
-        down_block_types=["DownEncoderBlock2D"] * 3,
-        up_block_types=["UpDecoderBlock2D"] * 3,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=128,
-        scaling_factor=0.18215,
-    ),
+VAE_CONFIGS = {
+    s: vae_config(s, scaling_factor=0.18215, full_sample_size=768) for s in ("full", "tiny")
 }
 
 SCHEDULER_CONFIG = dict(

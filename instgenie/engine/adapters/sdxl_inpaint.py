@@ -19,6 +19,7 @@ from diffusers import (
 from instgenie.engine import textenc
 from instgenie.engine.adapters.base import WEIGHTS_SEED
 from instgenie.engine.adapters.unet_inpaint import UNetInpaintAdapter
+from instgenie.engine.adapters.vae import vae_config
 from instgenie.engine.build import build_seeded
 from instgenie.engine.request import EditRequest
 
@@ -69,33 +70,7 @@ UNET_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
-VAE_CONFIGS: dict[str, dict[str, Any]] = {
-    "full": dict(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=[128, 256, 512, 512],
-        down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4,
-        layers_per_block=2,
-        sample_size=1024,
-        scaling_factor=0.13025,
-        force_upcast=True,
-    ),
-    "tiny": dict(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=[16, 32, 32],
-        down_block_types=["DownEncoderBlock2D"] * 3,
-        up_block_types=["UpDecoderBlock2D"] * 3,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=128,
-        scaling_factor=0.13025,
-        force_upcast=True,
-    ),
-}
+VAE_CONFIGS = {size: vae_config(size, scaling_factor=0.13025) for size in ("full", "tiny")}
 
 SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000,

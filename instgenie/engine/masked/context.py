@@ -254,6 +254,16 @@ class StepContext:
             copy_rows(out[first : first + cached.shape[0]], cached, non_blocking=True)
         return out
 
+    def compose(
+        self, block_id: int, like: torch.Tensor, ts: TokenSet, fresh: torch.Tensor
+    ) -> torch.Tensor:
+        """The block's output (R, L, C): cached rows, with the freshly computed packed rows
+        `fresh` (T, C) scattered to their tokens."""
+        R, L, C = like.shape
+        out = self.output_buffer(block_id, like)
+        out.view(R * L, C).index_copy_(0, ts.flat_idx, fresh.to(out.dtype))
+        return out
+
     def block_done(self, block_id: int) -> None:
         """Every hooked block calls this after its forward (pipelined loading advances)."""
         if self.loader is not None:

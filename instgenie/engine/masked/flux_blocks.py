@@ -114,9 +114,7 @@ def dual_masked_forward(
     if E.dtype == torch.float16:
         E = E.clip(-65504, 65504)
 
-    out = ctx.output_buffer(block_id, X)
-    out.view(R * L, C).index_copy_(0, ts.flat_idx, h.to(out.dtype))
-    return E, out
+    return E, ctx.compose(block_id, X, ts, h)
 
 
 def single_masked_forward(
@@ -155,6 +153,4 @@ def single_masked_forward(
         h = h.clip(-65504, 65504)
 
     E = h[js.txt_pos].reshape(R, tt, C)
-    out = ctx.output_buffer(block_id, X)
-    out.view(R * L, C).index_copy_(0, ts.flat_idx, h[js.img_pos].to(out.dtype))
-    return E, out
+    return E, ctx.compose(block_id, X, ts, h[js.img_pos])

@@ -99,6 +99,4 @@ def masked_forward(
 
     h = h + block.ff(block.norm3(h))
 
-    out = ctx.output_buffer(block_id, X)
-    out.view(R * L, C).index_copy_(0, ts.flat_idx, h.to(out.dtype))
-    return out
+    return ctx.compose(block_id, X, ts, h)
