@@ -68,3 +68,12 @@ def test_wrong_pipeline_in_directory(tmp_path) -> None:
     tiny_pipeline("sdxl-inpaint").family.pipe.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="could not load sd2-inpaint"):
         load_family(f"sd2-inpaint:{tmp_path}")
+
+
+def test_adapters_satisfy_the_family_protocol(family: str) -> None:
+    from instgenie.engine.family import ModelFamily
+
+    fam = tiny_pipeline(family).family
+    assert isinstance(fam, ModelFamily)
+    assert fam.uses_cfg(7.5) == (family != "flux-fill")
+    assert fam.default_size == 128 and fam.granule in (8, 16, 32)

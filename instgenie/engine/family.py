@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from PIL import Image
@@ -64,6 +64,32 @@ class ModelFamily(Protocol):
     default_guidance: float
     #: image sides must be multiples of this many pixels
     granule: int
+    #: the native resolution (square side, pixels)
+    default_size: int
+    #: the diffusers pipeline object whose modules and helpers the adapter uses
+    pipe: Any
+    #: the denoising backbone (UNet or transformer) and its masked-execution binding
+    backbone: torch.nn.Module
+    masked: Any
+
+    def resolve_steps_guidance(
+        self, steps: int | None, guidance: float | None
+    ) -> tuple[int, float]:
+        """The request's values, or the family's defaults."""
+        ...
+
+    def uses_cfg(self, guidance: float) -> bool:
+        """Whether a request with this guidance scale runs classifier-free guidance rows."""
+        ...
+
+    def token_masks(self, mask: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{L: bool (L,)} tokens to compute at every transformer resolution, from a (1, 1, H, W)
+        binary pixel mask."""
+        ...
+
+    def edit_mask(self, masks: dict[int, torch.Tensor], state: RequestState) -> torch.Tensor:
+        """bool, broadcastable to the state's latents: True where latents are edited."""
+        ...
 
     def prepare(
         self, request: EditRequest, image: Image.Image, mask: Image.Image, height: int, width: int

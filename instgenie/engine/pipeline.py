@@ -154,7 +154,7 @@ class EditPipeline:
         height, width = self._working_size(spec, image)
         fam = self.family
         steps, guidance = fam.resolve_steps_guidance(spec.num_inference_steps, spec.guidance_scale)
-        cfg = guidance > 1.0 and fam.backbone_name == "unet"
+        cfg = fam.uses_cfg(guidance)
         key = template_key(
             str(fam.spec), fam.pipe.scheduler.config, image, mask, spec,
             height=height, width=width, num_steps=steps, cfg=cfg,

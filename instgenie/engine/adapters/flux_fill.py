@@ -121,6 +121,9 @@ class FluxFill(AdapterBase):
         # T5 sequence length: the tokenizer's own limit (512 for the released checkpoints)
         self.text_len = min(512, int(self.pipe.tokenizer_2.model_max_length))
 
+    def uses_cfg(self, guidance: float) -> bool:
+        return False  # guidance-distilled: the scale is a transformer input, not CFG rows
+
     def prepare(
         self, request: EditRequest, image: Image.Image, mask: Image.Image, height: int, width: int
     ) -> RequestState:

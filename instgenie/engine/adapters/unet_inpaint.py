@@ -57,6 +57,9 @@ class UNetInpaintAdapter(AdapterBase):
             # off by default: measured slower on an H200 (docs/decisions/0004-unet-memory-format.md)
             unet.to(memory_format=torch.channels_last)
 
+    def uses_cfg(self, guidance: float) -> bool:
+        return guidance > 1.0
+
     # ---- family hooks ------------------------------------------------------------------------
     def encode_prompt(self, request: EditRequest, do_cfg: bool, height: int, width: int) -> dict:
         """Conditioning rows, (num_rows, ...) each, uncond row first when do_cfg."""
@@ -78,7 +81,7 @@ class UNetInpaintAdapter(AdapterBase):
         steps, guidance = self.resolve_steps_guidance(
             request.num_inference_steps, request.guidance_scale
         )
-        do_cfg = guidance > 1.0
+        do_cfg = self.uses_cfg(guidance)
         gen = self.generator(request.seed)
         cond = self.encode_prompt(request, do_cfg, height, width)
 
