@@ -126,8 +126,11 @@ def resolve_dtype(family_cls: type, device: str, dtype: str) -> torch.dtype:
     return family_cls.gpu_dtype if torch.device(device).type == "cuda" else torch.float32
 
 
-def load_family(spec: str | ModelSpec, device: str = "cpu", dtype: str = "auto") -> ModelFamily:
-    """Build or load a model family adapter. Never touches the network."""
+def load_family(
+    spec: str | ModelSpec, device: str = "cpu", dtype: str = "auto", parts: str = "all"
+) -> ModelFamily:
+    """Build or load a model family adapter. Never touches the network. `parts`: "all",
+    "backbone" (denoise loop) or "stages" (pre/post-processing); see AdapterBase.load."""
     spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(spec)
     cls = _registry()[spec.family]
-    return cls.load(spec, device=device, dtype=resolve_dtype(cls, device, dtype))
+    return cls.load(spec, device=device, dtype=resolve_dtype(cls, device, dtype), parts=parts)

@@ -171,6 +171,13 @@ class EditPipeline:
         already ready or being built."""
         if self.store.status(key) != "absent":
             return None
+        state = self.prepare_capture(key)
+        self.attach_writer(state, key)
+        return state
+
+    def prepare_capture(self, key: str) -> RequestState:
+        """Pre-process the capture run of a registered template (no store access: in a worker
+        this runs in the pre-processing process, the writer is attached in the loop)."""
         rec = self.templates[key]
         spec = rec.spec
         image = rec.image
@@ -185,6 +192,11 @@ class EditPipeline:
             strength=spec.strength, height=rec.height, width=rec.width,
         )  # fmt: skip
         state = self._prepare(req, image, mask, rec.height, rec.width)
+        state.extras["capture_key"] = key
+        return state
+
+    def attach_writer(self, state: RequestState, key: str) -> None:
+        """Make `state` (a prepared capture run) record template `key`'s cache."""
         meta = TemplateMeta(
             num_steps=state.num_steps,
             num_rows=state.num_rows,
@@ -192,7 +204,6 @@ class EditPipeline:
             latent_shape=tuple(state.latents.shape),
         )
         state.writer = self.store.writer(key, meta)
-        return state
 
     def build_template(self, spec: TemplateSpec) -> str:
         """Register and capture synchronously (a convenience for scripts and tests)."""
@@ -224,18 +235,21 @@ class EditPipeline:
         state.original_image, state.original_mask = image, mask
         return state
 
-    def preprocess(self, req: EditRequest) -> RequestState:
+    def preprocess(self, req: EditRequest, select_path: bool = True) -> RequestState:
+        """Validate and prepare. With `select_path` (one process), an edit on a template picks
+        the masked path here; a worker's pre-processing process passes False and its loop calls
+        `select_path` against the loop's own store."""
         image, mask, height, width = self.validate(req)
         state = self._prepare(req, image, mask, height, width)
         if not state.mask.getbbox():
             raise ValidationError(
                 "mask", f"becomes empty at the working resolution {width}x{height}"
             )
-        if req.template_id is not None:
-            self._select_path(state, req.template_id)
+        if select_path and req.template_id is not None:
+            self.select_path(state, req.template_id)
         return state
 
-    def _select_path(self, state: RequestState, key: str) -> None:
+    def select_path(self, state: RequestState, key: str) -> None:
         """Masked path if the template's cache is ready and structurally matches the edit."""
         state.extras["cache"] = "miss"
         if self.store.status(key) != "ready":

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from diffusers import DiffusionPipeline
 
+from instgenie.engine.build import build_seeded
 from instgenie.engine.family import ModelSpec
 from instgenie.engine.masked.executor import MaskedExecutor
 from instgenie.errors import ModelLoadError, ValidationError
@@ -20,6 +22,13 @@ log = logging.getLogger(__name__)
 
 #: seed of every random-weight model; identical in every process (see build.build_seeded)
 WEIGHTS_SEED = 0
+
+#: which model parts a process does not need (built on the meta device: configs, no weights)
+META_PARTS: dict[str, frozenset[str]] = {
+    "all": frozenset(),
+    "backbone": frozenset({"text", "vae"}),
+    "stages": frozenset({"backbone"}),
+}
 
 
 class PipelineView:
@@ -68,18 +77,34 @@ class AdapterBase:
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
-    def load(cls, spec: ModelSpec, *, device: str, dtype: torch.dtype) -> AdapterBase:
+    def load(
+        cls, spec: ModelSpec, *, device: str, dtype: torch.dtype, parts: str = "all"
+    ) -> AdapterBase:
+        """parts: "all"; "backbone" (the denoise loop: text encoders and VAE are built on the
+        meta device, configs only, no memory); "stages" (pre/post-processing: the backbone on
+        meta). Local directories always load every part."""
         dev = torch.device(device)
         if spec.is_local_dir:
             pipe = cls._from_dir(Path(spec.size), dev, dtype)
         else:
-            comps = cls.build_components(spec.size, device=str(dev), dtype=dtype)
+            meta = META_PARTS[parts]
+            comps = cls.build_components(spec.size, build=cls.builder(str(dev), dtype, meta))
             pipe = cls.pipeline_cls(**comps, **cls.pipeline_kwargs)
         cls._check_pipeline(pipe)
         return cls(spec, pipe, dev, dtype)
 
+    @staticmethod
+    def builder(device: str, dtype: torch.dtype, meta_parts: frozenset[str]) -> Callable:
+        """build(factory, seed_offset, part) -> module, seeded, on `device` or on "meta"."""
+
+        def build(factory: Callable[[], Any], offset: int, part: str) -> Any:
+            dev = "meta" if part in meta_parts else device
+            return build_seeded(factory, seed=WEIGHTS_SEED + offset, device=dev, dtype=dtype)
+
+        return build
+
     @classmethod
-    def build_components(cls, size: str, *, device: str, dtype: torch.dtype) -> dict[str, Any]:
+    def build_components(cls, size: str, *, build: Callable) -> dict[str, Any]:
         raise NotImplementedError
 
     @classmethod

@@ -22,9 +22,8 @@ from diffusers.pipelines.flux.pipeline_flux_fill import calculate_shift, retriev
 from PIL import Image
 
 from instgenie.engine import textenc
-from instgenie.engine.adapters.base import WEIGHTS_SEED, AdapterBase
+from instgenie.engine.adapters.base import AdapterBase
 from instgenie.engine.adapters.vae import vae_config
-from instgenie.engine.build import build_seeded
 from instgenie.engine.masked.context import use_context
 from instgenie.engine.masked.tokens import flux_token_masks
 from instgenie.engine.request import EditRequest, RequestState
@@ -95,17 +94,19 @@ class FluxFill(AdapterBase):
     backbone_name = "transformer"
 
     @classmethod
-    def build_components(cls, size: str, *, device: str, dtype: torch.dtype) -> dict[str, Any]:
+    def build_components(cls, size: str, *, build: Any) -> dict[str, Any]:
         tiny = size == "tiny"
-
-        def build(factory: Any, offset: int) -> Any:
-            return build_seeded(factory, seed=WEIGHTS_SEED + offset, device=device, dtype=dtype)
-
         return dict(
-            transformer=build(lambda: FluxTransformer2DModel(**TRANSFORMER_CONFIGS[size]), 0),
-            vae=build(lambda: AutoencoderKL(**VAE_CONFIGS[size]), 1),
-            text_encoder=build(lambda: textenc.clip_text_model("tiny" if tiny else "clip-l"), 2),
-            text_encoder_2=build(lambda: textenc.t5_encoder("tiny" if tiny else "t5-xxl"), 3),
+            transformer=build(
+                lambda: FluxTransformer2DModel(**TRANSFORMER_CONFIGS[size]), 0, "backbone"
+            ),
+            vae=build(lambda: AutoencoderKL(**VAE_CONFIGS[size]), 1, "vae"),
+            text_encoder=build(
+                lambda: textenc.clip_text_model("tiny" if tiny else "clip-l"), 2, "text"
+            ),
+            text_encoder_2=build(
+                lambda: textenc.t5_encoder("tiny" if tiny else "t5-xxl"), 3, "text"
+            ),
             tokenizer=textenc.clip_tokenizer(77),
             tokenizer_2=textenc.t5_tokenizer(TEXT_LEN[size]),
             scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),

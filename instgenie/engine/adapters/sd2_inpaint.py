@@ -17,10 +17,8 @@ from diffusers import (
 )
 
 from instgenie.engine import textenc
-from instgenie.engine.adapters.base import WEIGHTS_SEED
 from instgenie.engine.adapters.unet_inpaint import UNetInpaintAdapter
 from instgenie.engine.adapters.vae import vae_config
-from instgenie.engine.build import build_seeded
 from instgenie.engine.request import EditRequest
 
 UNET_CONFIGS: dict[str, dict[str, Any]] = {
@@ -81,16 +79,12 @@ class SD2Inpaint(UNetInpaintAdapter):
     )
 
     @classmethod
-    def build_components(cls, size: str, *, device: str, dtype: torch.dtype) -> dict[str, Any]:
+    def build_components(cls, size: str, *, build: Any) -> dict[str, Any]:
         text = "tiny" if size == "tiny" else "openclip-h"
-
-        def build(factory: Any, offset: int) -> Any:
-            return build_seeded(factory, seed=WEIGHTS_SEED + offset, device=device, dtype=dtype)
-
         return dict(
-            unet=build(lambda: UNet2DConditionModel(**UNET_CONFIGS[size]), 0),
-            vae=build(lambda: AutoencoderKL(**VAE_CONFIGS[size]), 1),
-            text_encoder=build(lambda: textenc.clip_text_model(text), 2),
+            unet=build(lambda: UNet2DConditionModel(**UNET_CONFIGS[size]), 0, "backbone"),
+            vae=build(lambda: AutoencoderKL(**VAE_CONFIGS[size]), 1, "vae"),
+            text_encoder=build(lambda: textenc.clip_text_model(text), 2, "text"),
             tokenizer=textenc.clip_tokenizer(77),
             scheduler=EulerDiscreteScheduler(**SCHEDULER_CONFIG),
         )

@@ -17,10 +17,8 @@ from diffusers import (
 )
 
 from instgenie.engine import textenc
-from instgenie.engine.adapters.base import WEIGHTS_SEED
 from instgenie.engine.adapters.unet_inpaint import UNetInpaintAdapter
 from instgenie.engine.adapters.vae import vae_config
-from instgenie.engine.build import build_seeded
 from instgenie.engine.request import EditRequest
 
 UNET_CONFIGS: dict[str, dict[str, Any]] = {
@@ -93,21 +91,20 @@ class SDXLInpaint(UNetInpaintAdapter):
     )
 
     @classmethod
-    def build_components(cls, size: str, *, device: str, dtype: torch.dtype) -> dict[str, Any]:
+    def build_components(cls, size: str, *, build: Any) -> dict[str, Any]:
         tiny = size == "tiny"
-
-        def build(factory: Any, offset: int, dt: torch.dtype = dtype) -> Any:
-            return build_seeded(factory, seed=WEIGHTS_SEED + offset, device=device, dtype=dt)
-
         return dict(
-            unet=build(lambda: UNet2DConditionModel(**UNET_CONFIGS[size]), 0),
-            vae=build(lambda: AutoencoderKL(**VAE_CONFIGS[size]), 1),
-            text_encoder=build(lambda: textenc.clip_text_model("tiny" if tiny else "clip-l"), 2),
+            unet=build(lambda: UNet2DConditionModel(**UNET_CONFIGS[size]), 0, "backbone"),
+            vae=build(lambda: AutoencoderKL(**VAE_CONFIGS[size]), 1, "vae"),
+            text_encoder=build(
+                lambda: textenc.clip_text_model("tiny" if tiny else "clip-l"), 2, "text"
+            ),
             text_encoder_2=build(
                 lambda: textenc.clip_text_model(
                     "tiny" if tiny else "openclip-bigg", with_projection=True
                 ),
                 3,
+                "text",
             ),
             tokenizer=textenc.clip_tokenizer(77),
             tokenizer_2=textenc.clip_tokenizer(77),
