@@ -1,0 +1,139 @@
+"""The denoise loop's state machine: waiting -> running -> retired, one step at a time.
+
+    receive (caller) -> admit (policy) -> plan + one denoising step (pipeline) -> retire
+
+No sockets and no processes here: the loop process feeds it prepared requests and aborts, and
+drains what it retires; tests drive it directly. Every step appends a `StepRecord`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from instgenie.engine.pipeline import EditPipeline
+from instgenie.engine.request import RequestState
+from instgenie.worker.policies import Policy
+
+
+@dataclass
+class StepRecord:
+    step: int  # loop iteration counter (steps executed so far)
+    t_start: float  # unix seconds
+    duration_ms: float
+    members: list[tuple[str, int]]  # (uid, step index before this step)
+    joined: list[str]
+    left: list[str]
+    bytes_loaded: int
+    compute_all_blocks: int
+    policy: str
+
+
+@dataclass
+class Retired:
+    state: RequestState
+    #: None on success, else (code, message)
+    error: tuple[str, str] | None = None
+
+
+@dataclass
+class Batcher:
+    pipe: EditPipeline
+    policy: Policy
+    max_batch: int
+    #: called after each step with the members' states (progress reporting)
+    on_step: Callable[[list[RequestState]], None] | None = None
+    waiting: deque[RequestState] = field(default_factory=deque)
+    running: list[RequestState] = field(default_factory=list)
+    records: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=10_000))
+    steps: int = 0
+    _aborted: set[str] = field(default_factory=set)
+
+    @property
+    def in_flight(self) -> list[str]:
+        return [s.uid for s in self.running] + [s.uid for s in self.waiting]
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def submit(self, state: RequestState) -> None:
+        self.waiting.append(state)
+
+    def abort(self, uid: str) -> None:
+        """Remove `uid` before the next step (it is retired with code "cancelled")."""
+        self._aborted.add(uid)
+
+    def iterate(self) -> list[Retired]:
+        """One loop iteration: drop aborted requests, admit, step, retire. Returns retirees."""
+        retired = self._drop_aborted()
+        joined = self.policy.admit(self.running, self.waiting, self.max_batch)
+        self.running.extend(joined)
+        if not self.running:
+            return retired
+        members = [(s.uid, s.step_index) for s in self.running]
+        t0, wall0 = time.perf_counter(), time.time()
+        try:
+            # no device sync: the host enqueues step n + 1 while the GPU runs step n, so the
+            # recorded duration is host time between step starts (≈ GPU step time when busy)
+            self.pipe.denoise_step(self.running)
+        except Exception as exc:  # the whole batch shares the failed step
+            failed = [Retired(s, ("internal_error", f"denoising step failed: {exc}"))
+                      for s in self.running]  # fmt: skip
+            for r in failed:
+                self.pipe.release(r.state)
+            self.running = []
+            return retired + failed
+        ms = 1e3 * (time.perf_counter() - t0)
+        done = [s for s in self.running if s.is_done]
+        self.running = [s for s in self.running if not s.is_done]
+        for s in done:
+            retired.append(Retired(s, _check_finite(s)))
+        ctx = self.pipe.family.masked.last_context
+        self.records.append(
+            StepRecord(
+                step=self.steps,
+                t_start=wall0,
+                duration_ms=ms,
+                members=members,
+                joined=[s.uid for s in joined],
+                left=[s.uid for s in done],
+                bytes_loaded=ctx.loader.bytes_loaded if ctx and ctx.loader else 0,
+                compute_all_blocks=len(ctx.compute_all) if ctx else 0,
+                policy=self.policy.name,
+            )
+        )
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step([s for s in self.running] + done)
+        return retired
+
+    def _drop_aborted(self) -> list[Retired]:
+        if not self._aborted:
+            return []
+        out = []
+        for group in (self.running, self.waiting):
+            for s in [s for s in group if s.uid in self._aborted]:
+                group.remove(s)
+                self.pipe.release(s)
+                out.append(Retired(s, ("cancelled", "cancelled by the client")))
+        self._aborted -= {r.state.uid for r in out}
+        return out
+
+    def fail_all(self, code: str, message: str) -> list[Retired]:
+        out = [Retired(s, (code, message)) for s in [*self.running, *self.waiting]]
+        for r in out:
+            self.pipe.release(r.state)
+        self.running, self.waiting = [], deque()
+        return out
+
+
+def _check_finite(state: RequestState) -> tuple[str, str] | None:
+    """A request whose latents went non-finite fails alone (its batch mates are unaffected)."""
+    if bool(torch.isfinite(state.latents).all()):
+        return None
+    return ("internal_error", "non-finite latents (NaN/inf) after denoising")

@@ -1,0 +1,61 @@
+"""Batching policies: which prepared requests join the running batch before a step.
+
+- continuous: every step, admit waiting requests up to the batch limit (paper §4.3);
+- static: admit only when the running batch is empty, then run it to completion (as a
+  Diffusers-style server does); arrivals wait;
+- naive-continuous: continuous, but pre/post-processing run inside the loop process, between
+  steps (the strawman of paper Fig. 10, top).
+
+A batch holds requests of one batch key only (equal latent shape and text length): a waiting
+request of another resolution waits until the running batch drains.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from instgenie.engine.request import RequestState
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    #: admit only into an empty batch
+    static: bool = False
+    #: pre/post-processing run inside the loop process between steps
+    inline_stages: bool = False
+
+    def admit(
+        self, running: list[RequestState], waiting: deque[RequestState], max_batch: int
+    ) -> list[RequestState]:
+        """Pop and return the waiting requests that join before the next step (FIFO within
+        the running batch's key)."""
+        if self.static and running:
+            return []
+        key = running[0].batch_key if running else (waiting[0].batch_key if waiting else None)
+        joined: list[RequestState] = []
+        kept: deque[RequestState] = deque()
+        while waiting and len(running) + len(joined) < max_batch:
+            s = waiting.popleft()
+            (joined if s.batch_key == key else kept).append(s)
+        kept.extend(waiting)
+        waiting.clear()
+        waiting.extend(kept)
+        return joined
+
+
+POLICIES = {
+    "continuous": Policy("continuous"),
+    "static": Policy("static", static=True),
+    "naive-continuous": Policy("naive-continuous", inline_stages=True),
+}
+
+
+def get_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown batching policy {name!r}; choose one of {sorted(POLICIES)}"
+        ) from None

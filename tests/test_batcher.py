@@ -1,0 +1,106 @@
+"""The denoise loop's state machine on CPU: joins within one step, static batching, aborts,
+isolation of a poisoned request, batch keys."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from instgenie.engine.pipeline import EditPipeline
+from instgenie.engine.request import EditRequest
+from instgenie.worker.batcher import Batcher
+from instgenie.worker.policies import get_policy
+from tests.conftest import make_image, make_mask, png_bytes, tiny_pipeline
+
+
+def _state(pipe: EditPipeline, uid: str, steps: int = 4, size: int = 128, seed: int = 0):
+    req = EditRequest(uid=uid, image=png_bytes(make_image(size, size, seed=seed)),
+                      mask=png_bytes(make_mask(size, size)), prompt=f"p {uid}", seed=seed,
+                      num_inference_steps=steps)  # fmt: skip
+    return pipe.preprocess(req)
+
+
+@functools.cache
+def _pipe() -> EditPipeline:
+    return tiny_pipeline("sd2-inpaint")
+
+
+def test_continuous_joins_at_the_next_step() -> None:
+    pipe = _pipe()
+    b = Batcher(pipe, get_policy("continuous"), max_batch=4)
+    b.submit(_state(pipe, "a", steps=5))
+    b.iterate()
+    b.iterate()
+    b.submit(_state(pipe, "b", steps=3))  # arrives while a is mid-run
+    b.iterate()
+    rec = b.records[-1]
+    assert rec.joined == ["b"] and rec.members == [("a", 2), ("b", 0)]
+    done = []
+    while not b.idle:
+        done += [r.state.uid for r in b.iterate() if r.error is None]
+    assert sorted(done) == ["a", "b"]
+
+
+def test_static_waits_for_the_batch_to_finish() -> None:
+    pipe = _pipe()
+    b = Batcher(pipe, get_policy("static"), max_batch=4)
+    b.submit(_state(pipe, "a", steps=3))
+    b.iterate()
+    b.submit(_state(pipe, "b", steps=2))
+    steps_before_b = []
+    while not any(r.joined == ["b"] for r in b.records):
+        b.iterate()
+        steps_before_b.append(b.records[-1].members)
+    # b joined only once a had left: a ran all 3 steps alone
+    assert [m for m in steps_before_b if ("a", 2) in m][0] == [("a", 2)]
+    assert b.records[-1].members == [("b", 0)]
+
+
+def test_abort_frees_the_slot_at_the_next_step() -> None:
+    pipe = _pipe()
+    b = Batcher(pipe, get_policy("continuous"), max_batch=2)
+    for uid in ("a", "b"):
+        b.submit(_state(pipe, uid, steps=6))
+    b.submit(_state(pipe, "c", steps=2))  # waits: the batch is full
+    b.iterate()
+    assert [u for u, _ in b.records[-1].members] == ["a", "b"]
+    b.abort("a")
+    retired = b.iterate()
+    assert [(r.state.uid, r.error[0]) for r in retired] == [("a", "cancelled")]
+    assert [u for u, _ in b.records[-1].members] == ["b", "c"]  # c took a's slot
+
+
+def test_poisoned_request_fails_alone() -> None:
+    pipe = _pipe()
+    b = Batcher(pipe, get_policy("continuous"), max_batch=3)
+    states = [_state(pipe, uid, steps=2, seed=i) for i, uid in enumerate("xyz")]
+    states[1].latents = states[1].latents.clone()
+    states[1].latents[0, 0, 0, 0] = float("nan")  # poison one member of the batch
+    for s in states:
+        b.submit(s)
+    retired = []
+    while not b.idle:
+        retired += b.iterate()
+    result = {r.state.uid: r.error for r in retired}
+    assert result["x"] is None and result["z"] is None
+    assert result["y"][0] == "internal_error" and "non-finite" in result["y"][1]
+    assert torch.isfinite(states[0].latents).all()
+
+
+def test_batch_holds_one_resolution() -> None:
+    pipe = _pipe()
+    b = Batcher(pipe, get_policy("continuous"), max_batch=4)
+    b.submit(_state(pipe, "big", steps=2, size=128))
+    b.submit(_state(pipe, "small", steps=2, size=64))
+    b.iterate()
+    assert [u for u, _ in b.records[-1].members] == ["big"]
+    b.iterate()
+    b.iterate()
+    assert [u for u, _ in b.records[-1].members] == ["small"]
+
+
+def test_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="unknown batching policy"):
+        get_policy("eager")
