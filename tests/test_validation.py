@@ -110,3 +110,14 @@ def test_rejected_request_leaves_no_state() -> None:
         pipe.preprocess(_edit(num_inference_steps=0))
     # the same pipeline still serves a valid request afterwards
     assert pipe.run([_edit()])[0].image.size == (128, 128)
+
+
+def test_codec_guard_blocks_image_work_in_a_forbidden_process(monkeypatch) -> None:
+    from instgenie.engine import imageio
+
+    monkeypatch.setattr(imageio, "_forbidden_pid", None)
+    imageio.forbid_codec_in_this_process()
+    with pytest.raises(RuntimeError, match="decoding attempted in the denoise loop"):
+        decode_image(IMG, LimitsConfig())
+    with pytest.raises(RuntimeError, match="encoding attempted"):
+        imageio.encode_image(Image.new("RGB", (4, 4)), "png")

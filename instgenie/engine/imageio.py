@@ -10,6 +10,7 @@ Invariants:
 from __future__ import annotations
 
 import io
+import os
 import warnings
 
 import numpy as np
@@ -20,10 +21,25 @@ from instgenie.errors import ValidationError
 
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
 
+#: the pid of a process that must never decode or encode images (a worker's denoise loop sets
+#: it: codec work there would stall every request of the running batch)
+_forbidden_pid: int | None = None
+
+
+def forbid_codec_in_this_process() -> None:
+    global _forbidden_pid
+    _forbidden_pid = os.getpid()
+
+
+def _check_codec_allowed(what: str) -> None:
+    if _forbidden_pid is not None and os.getpid() == _forbidden_pid:
+        raise RuntimeError(f"image {what} attempted in the denoise loop process")
+
 ImageInput = bytes | bytearray | memoryview | Image.Image
 
 
 def _open(data: ImageInput, field: str, limits: LimitsConfig) -> Image.Image:
+    _check_codec_allowed("decoding")
     if isinstance(data, Image.Image):
         img = data
         _check_pixels(img, field, limits)
@@ -115,6 +131,7 @@ def paste_back(generated: Image.Image, original: Image.Image, mask: Image.Image)
 
 def encode_image(img: Image.Image, output_format: str, quality: int = 95) -> bytes:
     """Encode to PNG/JPEG/WebP bytes."""
+    _check_codec_allowed("encoding")
     fmt = OUTPUT_FORMATS.get(output_format.lower())
     if fmt is None:
         raise ValidationError(
