@@ -1,23 +1,16 @@
-"""Every message that crosses a process boundary, and its wire format.
+"""Every message that crosses a process boundary, and its wire format (msgpack; never pickle).
 
-Wire format (one ZMQ frame): the msgpack encoding of the array `[tag, version, fields]` where
-`tag` is the class name (str), `version` is SCHEMA_VERSION (int) and `fields` is a map from field
-name to value. Nested structs (TensorRef, TensorBundle, StepEntry) are maps of their fields; their
-type is known from the enclosing field's annotation, so they carry no tag. bytes travel as msgpack
-bin, str as msgpack str (UTF-8), tuples and lists as arrays. Never pickle.
-
-Invariants:
-- `decode` raises MessageError, and nothing else, for any input that is not exactly a valid message
-  (unknown tag, other version, unknown/missing fields, wrong types, oversized, not msgpack);
-  a field with a default may be absent on the wire.
-- Types are checked from the dataclass annotations at encode and at decode (not at construction).
-  Allowed: int (64-bit), float, bool, str, bytes, None, unions, list[T], tuple[...], dict[str, T],
-  registered nested structs, and `Any`, which here means a msgpack-native value (None, bool, int,
-  float, str, bytes, list, dict with str keys) nested at most MAX_DEPTH deep.
-  An int is accepted where a float is declared (and becomes a float); bool is never an int.
-- Change any message -> bump SCHEMA_VERSION: both ends of a worker are always the same build.
-Owners: "client" = API server / tests / load tester; "sup" = worker supervisor; "pre", "loop",
-"post" = the worker's pre-process, denoise-loop and post-process processes.
+Frame = msgpack [tag, version, fields]: tag = class name, version = SCHEMA_VERSION, fields = map of
+field name -> value; nested structs are maps of their fields (the annotation gives the type); bytes
+are msgpack bin, str msgpack str (UTF-8), tuples and lists arrays. Every dataclass below is
+registered at import (tag = class name); changing any of them bumps SCHEMA_VERSION.
+Invariant: decode raises MessageError, and nothing else, for any input that is not a valid message
+(unknown tag, other version, unknown or missing fields, wrong types, oversized, not msgpack); a
+field with a default may be absent. Types are checked at encode and decode (not at construction)
+from the resolved annotations: int (64-bit), float, bool, str, bytes, None, unions, list[T],
+tuple[A, B], dict[str, T], nested structs, and Any = a msgpack-native value at most MAX_DEPTH
+deep; built-in types exactly (bool is not an int), but an int is a valid float (decoded as float).
+Owners: client (API server, tests, load tester), sup (worker supervisor), pre/loop/post (processes).
 """
 
 from __future__ import annotations
@@ -25,273 +18,382 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 
 from instgenie.errors import InstGenIEError
 
 SCHEMA_VERSION = 1
-MAX_MESSAGE_BYTES = 64 << 20  # default cap on one encoded message (bytes); tensors go via shm
+MAX_MESSAGE_BYTES = 64 << 20  # default cap on one encoded message, bytes (tensors go via shm)
 MAX_DEPTH = 32  # nesting limit of `Any` values
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry
 
 
-class MessageError(InstGenIEError, ValueError):
-    """Bytes that are not a valid message, or a message that cannot be encoded."""
-
+class MessageError(InstGenIEError, ValueError):  # not a valid message, or cannot be encoded
     code = "bad_message"
 
 
-class Message:
-    """Root of every top-level message; never instantiated itself."""
-
+class Message:  # root of top-level messages (abstract)
     __slots__ = ()
 
 
-class ClientToWorker(Message):
-    """client -> worker supervisor."""
-
+class ClientToWorker(Message):  # client -> worker supervisor
     __slots__ = ()
 
 
-class WorkerToClient(Message):
-    """worker supervisor -> client (also pre/post -> supervisor for per-request outcomes)."""
-
+class WorkerToClient(Message):  # supervisor -> client; also pre/post/loop -> sup for outcomes
     __slots__ = ()
 
 
-class Internal(Message):
-    """Between the processes of one worker."""
-
+class Internal(Message):  # between the processes of one worker
     __slots__ = ()
 
 
-class Nested:
-    """Root of structs that only travel inside a message field."""
-
+class Nested:  # root of structs that only travel inside a message field
     __slots__ = ()
 
 
-_DIRECTIONS = (ClientToWorker, WorkerToClient, Internal)
-M = TypeVar("M", bound=type)
-_Conv = Callable[[Any, str], Any]  # (value, path for errors) -> converted value
 MESSAGE_TYPES: dict[str, type[Message]] = {}  # tag -> class, top-level messages
 NESTED_TYPES: dict[str, type[Nested]] = {}  # name -> class, structs used inside fields
-_SCHEMAS: dict[type, tuple[tuple[str, _Conv, _Conv, bool], ...]] = {}  # (name, enc, dec, required)
-_CODECS: dict[type, tuple[_Conv, _Conv]] = {}  # class -> (encode to map, decode from map)
+_SCHEMAS: dict[type, list[tuple[str, Any, bool]]] = {}  # class -> [(field, spec, required)]
 
 
-def register(cls: M) -> M:
-    """Class decorator (above @dataclass): compile the field checkers and add to the registry."""
-    if not dataclasses.is_dataclass(cls) or not issubclass(cls, (Message, Nested)):
-        raise TypeError(f"{cls.__name__}: register a dataclass deriving from Message or Nested")
-    if issubclass(cls, Message) and len([b for b in _DIRECTIONS if issubclass(cls, b)]) != 1:
-        raise TypeError(f"{cls.__name__}: derive from exactly one of {_DIRECTIONS}")
-    table: dict[str, Any] = MESSAGE_TYPES if issubclass(cls, Message) else NESTED_TYPES
-    if cls.__name__ in table:
-        raise TypeError(f"duplicate message tag {cls.__name__}")
+def _register(cls: type) -> None:
+    """Compile the field specs of a message dataclass and add it to its registry."""
+    bases = (ClientToWorker, WorkerToClient, Internal, Nested)  # exactly one, for the direction
+    frozen = cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    if sum(issubclass(cls, b) for b in bases) != 1 or cls.__dictoffset__ or not frozen:
+        raise TypeError(f"{cls.__name__}: @dataclass(slots=True, frozen=True) of one of {bases}")
     hints = typing.get_type_hints(cls)
-    schema = []
-    for f in dataclasses.fields(cls):
-        enc, dec = _compile(hints[f.name])
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        schema.append((f.name, enc, dec, required))
-    _SCHEMAS[cls] = tuple(schema)
-    table[cls.__name__] = cls
-    _CODECS[cls] = (_struct_enc(cls), _struct_dec(cls))
-    return cls
+    _SCHEMAS[cls] = [
+        (f.name, _spec(hints[f.name]), f.default is f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+    ]
+    registry: dict[str, Any] = MESSAGE_TYPES if issubclass(cls, Message) else NESTED_TYPES
+    registry[cls.__name__] = cls
 
 
-# ---- field converters: one (encode, decode) pair per annotation, built once per class ----------
+# Scalars: exact built-in types (bool is not an int, a str subclass is not a str), except that an
+# int is a valid float (converted to float); ints must fit msgpack's 64-bit range.
+_SCALARS: dict[Any, tuple[type, ...]] = {int: (int,), float: (float, int), bool: (bool,)}
+_SCALARS.update({str: (str,), bytes: (bytes, bytearray), type(None): (type(None),)})
+
+
+def _spec(tp: Any) -> Any:
+    """Scalar type, Any, nested struct, or (origin, arg specs, name); TypeError if not allowed."""
+    if tp in _SCALARS or tp is Any or tp in _SCHEMAS:  # nested structs register before users
+        return tp
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin = typing.Union if origin is types.UnionType else origin
+    shape_ok = {list: len(args) == 1, tuple: Ellipsis not in args, dict: args[:1] == (str,)}
+    if args and (origin is typing.Union or shape_ok.get(origin, False)):
+        return origin, tuple(_spec(a) for a in args), str(tp)
+    raise TypeError(f"unsupported message field type {tp!r}")
+
+
+def _conv(spec: Any, v: Any, path: str, dec: bool) -> Any:
+    """`v` checked against `spec`; nested structs become maps (encode) or dataclasses (dec)."""
+    if type(spec) is tuple:
+        origin, args, want = spec
+        if origin is typing.Union:
+            if v is None and type(None) in args:  # the common Optional case, without a retry
+                return None
+            for arg in args:
+                try:
+                    return _conv(arg, v, path, dec)
+                except MessageError:
+                    pass
+        elif origin is list and type(v) in (list, tuple):
+            return [_conv(args[0], x, path + "[]", dec) for x in v]
+        elif origin is tuple and type(v) in (list, tuple) and len(v) == len(args):
+            return tuple(_conv(a, x, path + "[]", dec) for a, x in zip(args, v, strict=True))
+        elif origin is dict and type(v) is dict:
+            item = args[1]
+            return {
+                _conv(str, k, path, dec): _conv(item, x, path + "{}", dec) for k, x in v.items()
+            }
+        raise _fail(path, want, v)
+    if spec in _SCHEMAS:
+        return _struct(spec, v, path, dec)
+    if spec is Any:
+        return _any(v, path, 0)
+    if type(v) not in _SCALARS[spec] or (spec is int and not _INT_MIN <= v <= _INT_MAX):
+        raise _fail(path, spec.__name__, v)
+    return float(v) if spec is float else v
+
+
+def _any(v: Any, path: str, depth: int) -> Any:
+    """A msgpack-native value (the meaning of `Any` in a message), at most MAX_DEPTH deep."""
+    t = type(v)
+    if v is None or t in (bool, float, str, bytes, bytearray):
+        return v
+    if t is int:
+        return _conv(int, v, path, False)
+    if depth < MAX_DEPTH and t in (list, tuple):
+        return [_any(x, path + "[]", depth + 1) for x in v]
+    if depth < MAX_DEPTH and t is dict:
+        return {_conv(str, k, path, False): _any(x, path + "{}", depth + 1) for k, x in v.items()}
+    raise _fail(path, f"msgpack-native value at most {MAX_DEPTH} deep", v)
+
+
+def _struct(cls: type, v: Any, path: str, dec: bool) -> Any:
+    schema = _SCHEMAS[cls]
+    if not dec:
+        if type(v) is not cls:
+            raise _fail(path, cls.__name__, v)
+        return {n: _conv(spec, getattr(v, n), path + "." + n, dec) for n, spec, _ in schema}
+    if type(v) is not dict:
+        raise _fail(path, f"map ({cls.__name__})", v)
+    kwargs = {}
+    for name, spec, required in schema:
+        if name in v:
+            kwargs[name] = _conv(spec, v[name], path + "." + name, dec)
+        elif required:
+            raise MessageError(f"{path}: missing field {name!r}")
+    if len(kwargs) != len(v):
+        raise MessageError(f"{path}: unknown fields {sorted(map(str, v.keys() - kwargs))[:5]}")
+    return cls(**kwargs)
+
+
 def _fail(path: str, want: str, got: Any) -> MessageError:
     return MessageError(f"{path}: expected {want}, got {type(got).__name__}")
 
 
-def _int(v: Any, path: str) -> int:
-    if isinstance(v, int) and not isinstance(v, bool) and _INT_MIN <= v <= _INT_MAX:
-        return int(v)
-    raise _fail(path, "int (64-bit)", v)
-
-
-def _float(v: Any, path: str) -> float:
-    if isinstance(v, (float, int)) and not isinstance(v, bool):
-        return float(v)
-    raise _fail(path, "float", v)
-
-
-def _bool(v: Any, path: str) -> bool:
-    if v is True or v is False:
-        return v
-    raise _fail(path, "bool", v)
-
-
-def _str(v: Any, path: str) -> str:
-    if isinstance(v, str):
-        return v
-    raise _fail(path, "str", v)
-
-
-def _bytes(v: Any, path: str) -> bytes:
-    if isinstance(v, (bytes, bytearray)):
-        return v
-    raise _fail(path, "bytes", v)
-
-
-def _none(v: Any, path: str) -> None:
-    if v is None:
-        return None
-    raise _fail(path, "None", v)
-
-
-def _any(v: Any, path: str, depth: int = 0) -> Any:
-    if v is None or isinstance(v, (bool, str, bytes, bytearray, float)):
-        return v
-    if isinstance(v, int):
-        return _int(v, path)
-    if depth >= MAX_DEPTH:
-        raise MessageError(f"{path}: nested deeper than {MAX_DEPTH}")
-    if isinstance(v, (list, tuple)):
-        return [_any(x, path, depth + 1) for x in v]
-    if isinstance(v, dict):
-        return {_str(k, path + ".<key>"): _any(x, f"{path}.{k}", depth + 1) for k, x in v.items()}
-    raise _fail(path, "msgpack-native value", v)
-
-
-_SCALARS: dict[Any, _Conv] = {
-    int: _int, float: _float, bool: _bool, str: _str, bytes: _bytes, type(None): _none, Any: _any
-}  # fmt: skip
-
-
-def _compile(tp: Any) -> tuple[_Conv, _Conv]:
-    if tp in _SCALARS:
-        return _SCALARS[tp], _SCALARS[tp]
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        pairs = [_compile(a) for a in args]
-        return _union([p[0] for p in pairs], tp), _union([p[1] for p in pairs], tp)
-    if origin is list and len(args) == 1:
-        enc, dec = _compile(args[0])
-        return _seq(enc, list), _seq(dec, list)
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-        enc, dec = _compile(args[0])
-        return _seq(enc, tuple), _seq(dec, tuple)
-    if origin is tuple and args and Ellipsis not in args:
-        pairs = [_compile(a) for a in args]
-        return _fixed([p[0] for p in pairs]), _fixed([p[1] for p in pairs])
-    if origin is dict and len(args) == 2 and args[0] is str:
-        enc, dec = _compile(args[1])
-        return _map(enc), _map(dec)
-    if isinstance(tp, type) and issubclass(tp, Nested) and tp in _CODECS:
-        return _CODECS[tp]
-    raise TypeError(f"unsupported message field type {tp!r}")
-
-
-def _union(convs: list[_Conv], tp: Any) -> _Conv:
-    def conv(v: Any, path: str) -> Any:
-        for c in convs:
-            try:
-                return c(v, path)
-            except MessageError:
-                continue
-        raise _fail(path, str(tp), v)
-
-    return conv
-
-
-def _seq(item: _Conv, kind: type) -> _Conv:
-    def conv(v: Any, path: str) -> Any:
-        if not isinstance(v, (list, tuple)):
-            raise _fail(path, "array", v)
-        return kind(item(x, f"{path}[{i}]") for i, x in enumerate(v))
-
-    return conv
-
-
-def _fixed(items: list[_Conv]) -> _Conv:
-    def conv(v: Any, path: str) -> tuple:
-        if not isinstance(v, (list, tuple)) or len(v) != len(items):
-            raise _fail(path, f"array of {len(items)}", v)
-        return tuple(c(x, f"{path}[{i}]") for i, (c, x) in enumerate(zip(items, v)))
-
-    return conv
-
-
-def _map(value: _Conv) -> _Conv:
-    def conv(v: Any, path: str) -> dict:
-        if not isinstance(v, dict):
-            raise _fail(path, "map", v)
-        return {_str(k, path + ".<key>"): value(x, f"{path}.{k}") for k, x in v.items()}
-
-    return conv
-
-
-def _struct_enc(cls: type) -> _Conv:
-    def conv(v: Any, path: str) -> dict[str, Any]:
-        if type(v) is not cls:
-            raise _fail(path, cls.__name__, v)
-        return {name: enc(getattr(v, name), f"{path}.{name}") for name, enc, _, _ in _SCHEMAS[cls]}
-
-    return conv
-
-
-def _struct_dec(cls: type) -> _Conv:
-    def conv(v: Any, path: str) -> Any:
-        if not isinstance(v, dict):
-            raise _fail(path, f"map ({cls.__name__})", v)
-        kwargs = {}
-        for name, _, dec, required in _SCHEMAS[cls]:
-            if name in v:
-                kwargs[name] = dec(v[name], f"{path}.{name}")
-            elif required:
-                raise MessageError(f"{path}: missing field {name!r}")
-        if len(kwargs) != len(v):
-            extra = sorted(str(k) for k in v if k not in kwargs)
-            raise MessageError(f"{path}: unknown fields {extra[:5]}")
-        return cls(**kwargs)
-
-    return conv
-
-
-# ---- public codec ------------------------------------------------------------------------------
 def encode(msg: Message, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
     """One frame for `msg`; MessageError if a field has the wrong type or the frame is too big."""
-    cls = type(msg)
-    if MESSAGE_TYPES.get(cls.__name__) is not cls:
-        raise MessageError(f"not a registered message: {cls.__name__}")
-    fields = _CODECS[cls][0](msg, cls.__name__)
+    tag = type(msg).__name__
+    if MESSAGE_TYPES.get(tag) is not type(msg):
+        raise MessageError(f"not a registered message: {tag}")
+    fields = _struct(type(msg), msg, tag, False)
     try:
-        data = msgpack.packb([cls.__name__, SCHEMA_VERSION, fields], use_bin_type=True)
+        data = msgpack.packb([tag, SCHEMA_VERSION, fields], use_bin_type=True)
     except Exception as e:  # e.g. a str with lone surrogates
-        raise MessageError(f"{cls.__name__}: cannot pack: {e}") from e
+        raise MessageError(f"{tag}: cannot pack: {e}") from e
     if len(data) > max_bytes:
-        raise MessageError(f"{cls.__name__}: {len(data)} bytes > limit {max_bytes}")
+        raise MessageError(f"{tag}: {len(data)} bytes > limit {max_bytes}")
     return data
 
 
 def decode(data: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
-    """The message in `data`; MessageError (only) for anything else."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise MessageError(f"expected bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
-        raise MessageError(f"{len(data)} bytes > limit {max_bytes}")
+    """The message in `data`; MessageError (and nothing else) for anything that is not one."""
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > max_bytes:
+        raise MessageError(f"expected bytes of at most {max_bytes}, got {type(data).__name__}")
     try:
         obj = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
-    except Exception as e:  # ExtraData, FormatError, StackError, UnicodeDecodeError, ...
-        raise MessageError(f"not msgpack: {type(e).__name__}") from e
-    if not isinstance(obj, list) or len(obj) != 3:
-        raise MessageError("expected [tag, version, fields]")
-    tag, version, fields = obj
-    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
-    if cls is None:
-        raise MessageError(f"unknown message tag {str(tag)[:64]!r}")
-    if version != SCHEMA_VERSION or type(version) is not int:
-        raise MessageError(f"{tag}: schema version {version!r:.20}, expected {SCHEMA_VERSION}")
-    try:
-        return _CODECS[cls][1](fields, tag)
+        if type(obj) is not list or len(obj) != 3:
+            raise MessageError("expected [tag, version, fields]")
+        tag, version, fields = obj
+        cls = MESSAGE_TYPES.get(tag) if type(tag) is str else None
+        if cls is None:
+            raise MessageError(f"unknown message tag {str(tag)[:64]!r}")
+        if type(version) is not int or version != SCHEMA_VERSION:
+            raise MessageError(f"{tag}: version {str(version)[:20]}, expected {SCHEMA_VERSION}")
+        return _struct(cls, fields, tag, True)
     except MessageError:
         raise
-    except Exception as e:  # a checker bug must still surface as the one typed error
-        raise MessageError(f"{tag}: {type(e).__name__}: {e}") from e
+    except Exception as e:  # msgpack's ExtraData, FormatError, StackError, UnicodeDecodeError...
+        raise MessageError(f"not a message: {type(e).__name__}: {str(e)[:200]}") from e
+
+
+# ---- nested structs ----------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True, kw_only=True)
+class TensorRef(Nested):  # one tensor in a TensorBundle's segment (tensorshm.pack)
+    name: str  # key in the packed dict
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    shape: list[int]  # elements per dim; [] for a scalar
+    offset: int  # bytes from the segment start; a multiple of 64
+    nbytes: int  # bytes, = prod(shape) * itemsize
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class TensorBundle(Nested):  # tensors in one POSIX shm segment; the receiver owns (tensorshm)
+    segment: str  # shm name without "/": "<prefix>_<16 hex>"
+    size: int  # segment length, bytes (>= 1, >= offset + nbytes of every tensor)
+    tensors: list[TensorRef]  # in pack order; byte ranges never overlap
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class StepEntry(Nested):  # one iteration of the denoise loop (loop)
+    step: int  # loop iteration counter since the loop started
+    t_start: float  # unix seconds, worker clock
+    duration_ms: float  # wall time of the iteration, ms
+    members: list[tuple[str, int]]  # (uid, that request's step index) per batch member
+    joined: list[str]  # uids admitted before this step
+    left: list[str]  # uids retired after this step
+    bytes_loaded: int  # cached activations copied in for this step, bytes
+    compute_all_blocks: int  # blocks run on all tokens (no cache load), count
+    policy: str  # batching policy name, e.g. "continuous"
+
+
+# ---- client -> worker (client fills every field; types are checked here, values by pre) -------
+@dataclass(slots=True, frozen=True, kw_only=True)
+class SubmitEdit(ClientToWorker):  # one edit request
+    uid: str  # request id, unique per client; every reply carries it
+    image: bytes | None  # encoded image (PNG/JPEG/WebP); None: template_id's image
+    mask: bytes  # encoded mask image, white = edit
+    prompt: str  # what to draw in the masked region
+    negative_prompt: str | None = None  # None: model default
+    seed: int  # RNG seed of the initial noise
+    num_inference_steps: int | None = None  # denoise steps; None: model default
+    guidance_scale: float | None = None  # CFG scale; None: model default
+    strength: float = 1.0  # fraction of the noise schedule to run, (0, 1]
+    height: int | None = None  # output height, pixels; None: from the image
+    width: int | None = None  # output width, pixels; None: from the image
+    paste_back: bool = True  # copy unmasked input pixels into the output
+    output_format: str = "png"  # "png" | "jpeg" | "webp"
+    template_id: str | None = None  # RegisterTemplate id whose activation cache may be used
+    submitted_at: float = 0.0  # unix seconds, client clock
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class RegisterTemplate(ClientToWorker):  # build and keep a template's activation cache
+    template_id: str  # 64 lowercase hex (hash of the image bytes)
+    image: bytes  # encoded template image
+    prompt: str  # the template's own prompt/caption
+    negative_prompt: str | None = None  # None: model default
+    seed: int  # template seed: replaying prompt + seed reproduces full computation exactly
+    num_inference_steps: int | None = None  # denoise steps (part of the cache key)
+    guidance_scale: float | None = None  # CFG scale (part of the cache key)
+    strength: float = 1.0  # fraction of the noise schedule, (0, 1]
+    mask: bytes | None = None  # encoded mask; None: whole image
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Cancel(ClientToWorker):  # drop a request: leaves the batch next step, EditFailed(cancelled)
+    uid: str  # SubmitEdit.uid
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Shutdown(ClientToWorker):  # stop the worker; new requests are refused at once
+    drain: bool = True  # finish in-flight requests first
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class GetStats(ClientToWorker):
+    """Ask for a Stats reply."""
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class GetStepLog(ClientToWorker):  # ask for a StepLog reply
+    since_step: int = 0  # entries with step >= since_step
+
+
+# ---- worker -> client (sup sends; the producer is named per class) ------------------------------
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Accepted(WorkerToClient):  # queued (sup)
+    uid: str  # SubmitEdit.uid
+    queue_position: int  # requests ahead of it in the worker queue, count
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Progress(WorkerToClient):  # a denoise step of the request finished (loop)
+    uid: str  # SubmitEdit.uid
+    step: int  # steps done, 1..num_steps
+    num_steps: int  # denoise steps the request will run
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class EditDone(WorkerToClient):  # the result (post); times: worker wall clock, ms
+    uid: str  # SubmitEdit.uid
+    data: bytes  # encoded output image
+    output_format: str  # format of data
+    width: int  # pixels
+    height: int  # pixels
+    mask_ratio: float  # fraction of latent tokens masked, [0, 1]
+    num_steps: int  # denoise steps run
+    path: str  # "masked" (template cache used) | "full"
+    cache: str | None = None  # tier the cache came from ("hbm" | "dram" | "disk"), None: no cache
+    queue_ms: float = 0.0  # accepted -> pre-process start
+    preprocess_ms: float = 0.0  # pre-process wall time
+    denoise_ms: float = 0.0  # joined the batch -> left it
+    postprocess_ms: float = 0.0  # post-process wall time (VAE decode, paste, encode)
+    total_ms: float = 0.0  # accepted -> done
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class EditFailed(WorkerToClient):  # terminal for uid (sup, pre, loop or post)
+    uid: str  # SubmitEdit.uid
+    code: str  # "invalid_request" | "cancelled" | "worker_died" | "internal_error" | ...
+    message: str  # precise, human-readable; never a traceback
+    retryable: bool  # the same request may succeed if sent again (e.g. worker_died)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class TemplateReady(WorkerToClient):  # outcome of RegisterTemplate (sup)
+    template_id: str  # RegisterTemplate.template_id
+    ok: bool  # the cache is built and resident
+    message: str = ""  # why not ok; empty when ok
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Stats(WorkerToClient):  # reply to GetStats (sup)
+    counters: dict[str, float]  # counters and gauges; units in the name (*_ms, *_bytes)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class StepLog(WorkerToClient):  # reply to GetStepLog (sup, from the loop's ring buffer)
+    entries: list[StepEntry]  # oldest first
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class WorkerReady(WorkerToClient):  # loaded and accepting requests (sup)
+    pid: int  # supervisor pid
+    model: str  # model id, e.g. "sd2-inpaint:tiny"
+    device: str  # torch device, e.g. "cuda:0"
+
+
+# ---- inside a worker ---------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Prepared(Internal):  # pre -> loop; the receiver owns `state` and must release it
+    uid: str  # SubmitEdit.uid
+    state: TensorBundle  # latents, prompt embeddings, masks, ...
+    meta: dict[str, Any]  # non-tensor request state (steps, guidance, sizes, ...)
+    preprocess_ms: float  # pre-process wall time, ms
+    pid: int  # pre-process pid (whose shm prefix to clean up if it dies)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Finished(Internal):  # loop -> post; the receiver owns `latents` and must release it
+    uid: str  # SubmitEdit.uid
+    latents: TensorBundle  # final latents (and whatever post needs)
+    meta: dict[str, Any]  # Prepared.meta plus the loop's additions
+    denoise_ms: float  # joined the batch -> left it, ms
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Heartbeat(Internal):  # liveness and progress (pre/loop/post -> sup)
+    pid: int  # sender pid
+    loop_iterations: int  # monotonic; equal in two beats while in_flight is non-empty = stuck
+    in_flight: list[str]  # uids the sender holds
+    time: float  # sender's time.monotonic(), s (CLOCK_MONOTONIC is host-wide on Linux)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Abort(Internal):  # drop a request wherever it is (sup -> pre/loop/post)
+    uid: str  # SubmitEdit.uid
+    reason: str  # becomes EditFailed.code: "cancelled" | "deadline" | ...
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class StopProcess(Internal):  # exit (sup -> pre/loop/post)
+    drain: bool = True  # finish what the process holds first
+    reason: str = ""  # for the log
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Ping(Internal):  # health probe (sup -> any); answered by Pong
+    nonce: int  # any int; Pong echoes it
+    time: float  # sender's time.monotonic(), s
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Pong(Internal):  # answer to Ping (any -> sup)
+    nonce: int  # Ping.nonce
+    time: float  # Ping.time, echoed
+    pid: int  # responder pid
+
+
+for _cls in [c for c in list(globals().values()) if dataclasses.is_dataclass(c)]:  # nested first
+    _register(_cls)  # type: ignore[arg-type]
