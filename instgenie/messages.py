@@ -371,6 +371,18 @@ class Heartbeat(Internal):  # liveness and progress (pre/loop/post -> sup)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
+class LoopSteps(Internal):  # step log entries since the last LoopSteps (loop -> sup)
+    entries: list[StepEntry]  # oldest first
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class ChildReady(Internal):  # a pre/loop/post process loaded its model parts (child -> sup)
+    role: str  # "pre" | "loop" | "post"
+    index: int  # which one of its role, 0-based
+    pid: int  # child pid
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
 class Abort(Internal):  # drop a request wherever it is (sup -> pre/loop/post)
     uid: str  # SubmitEdit.uid
     reason: str  # becomes EditFailed.code: "cancelled" | "deadline" | ...

@@ -56,6 +56,8 @@ EXAMPLES: list[m.Message] = [
     ),
     m.Finished(uid="u1", latents=BUNDLE, meta={}, denoise_ms=250.0),
     m.Heartbeat(pid=99, loop_iterations=12345, in_flight=["u1", "u2"], time=123.25),
+    m.LoopSteps(entries=[STEP]),
+    m.ChildReady(role="loop", index=0, pid=4321),
     m.Abort(uid="u1", reason="cancelled"),
     m.StopProcess(drain=False, reason="shutdown"),
     m.Ping(nonce=2**63, time=1.0),
