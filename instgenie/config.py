@@ -39,9 +39,79 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class WorkerConfig:
+    """One worker = one GPU: supervisor, denoise loop, pre/post-processing processes."""
+
+    #: batching policy: "continuous" | "static" | "naive-continuous" (worker/policies.py)
+    policy: str = "continuous"
+    #: most requests in one denoising batch
+    max_batch: int = 8
+    #: most requests held by the worker (queued, preparing, denoising, post-processing);
+    #: beyond it submissions fail with code "overloaded" (retryable)
+    max_queue: int = 256
+    #: pre-processing processes (image decode, prompt and VAE encode)
+    num_pre: int = 1
+    #: post-processing processes (VAE decode, paste-back, image encode)
+    num_post: int = 1
+    #: torch device of the pre/post processes' encoders and VAE; "" = the model's device
+    stage_device: str = ""
+    #: a child that has not loaded its model parts after this long, seconds, is restarted
+    start_timeout_s: float = 900.0
+    #: seconds between heartbeats of each child process
+    heartbeat_interval_s: float = 0.5
+    #: a child silent (no heartbeat) this long, seconds, is killed and restarted
+    heartbeat_timeout_s: float = 10.0
+    #: a child whose loop makes no progress this long while holding requests, seconds, is
+    #: killed and restarted (covers the first step's warm-up on a GPU)
+    stall_timeout_s: float = 120.0
+    #: a child that exited is restarted after at least this long, seconds
+    restart_backoff_s: float = 1.0
+    #: a template whose capture run was lost this many times (its process died) fails
+    max_template_attempts: int = 2
+    #: step-log entries kept by the supervisor (GetStepLog)
+    step_log_size: int = 10_000
+    #: directory of the host DRAM + disk activation cache; "" = templates cached in the loop's
+    #: device memory (lost, and re-captured, when the loop restarts)
+    cache_root: str = ""
+    #: host DRAM tier capacity, bytes (with cache_root)
+    cache_dram_bytes: int = 8 << 30
+    #: disk tier capacity, bytes (with cache_root); 0 disables the disk tier
+    cache_disk_bytes: int = 64 << 30
+    #: fitted latency profile (JSON, `instgenie profile`) for the per-step load planner; ""
+    #: = no planner (every cached block is loaded)
+    profile: str = ""
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+
+def to_dict(cfg: typing.Any) -> dict:
+    """A config dataclass as plain JSON-able data (tuples become lists)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type, data: dict) -> typing.Any:
+    """The inverse of `to_dict` for config class `cls`; TypeError on unknown or bad fields."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise TypeError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    kwargs = {}
+    for name, value in data.items():
+        typ = hints[name]
+        if dataclasses.is_dataclass(typ):
+            value = from_dict(typ, value)
+        elif typing.get_origin(typ) is tuple:
+            value = tuple(value)
+        kwargs[name] = value
+    return cls(**kwargs)
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, skip: tuple = ()) -> None:

@@ -14,3 +14,24 @@ def attention_backend() -> str:
 def unet_channels_last() -> bool:
     """INSTGENIE_UNET_CHANNELS_LAST: 1 puts UNets in NHWC on CUDA; 0 (default) keeps NCHW."""
     return os.environ.get("INSTGENIE_UNET_CHANNELS_LAST", "0").strip() in ("1", "true", "yes")
+
+
+def log_level() -> str:
+    """INSTGENIE_LOG_LEVEL: logging level of worker processes (default WARNING)."""
+    return os.environ.get("INSTGENIE_LOG_LEVEL", "WARNING").strip().upper()
+
+
+def faults() -> dict[str, str]:
+    """INSTGENIE_FAULTS: "kind=prompt,..." fault injection for reliability tests (faults.py);
+    unset or empty: none."""
+    spec = os.environ.get("INSTGENIE_FAULTS", "").strip()
+    out = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        kind, _, prompt = item.partition("=")
+        out[kind.strip()] = prompt
+    return out
+
+
+def fault_gate() -> str:
+    """INSTGENIE_FAULT_GATE: a file path; the "hold" fault holds the loop while it exists."""
+    return os.environ.get("INSTGENIE_FAULT_GATE", "")

@@ -31,9 +31,15 @@ def forbid_codec_in_this_process() -> None:
     _forbidden_pid = os.getpid()
 
 
+def codec_allowed() -> bool:
+    """False in a process that called forbid_codec_in_this_process."""
+    return _forbidden_pid is None or os.getpid() != _forbidden_pid
+
+
 def _check_codec_allowed(what: str) -> None:
-    if _forbidden_pid is not None and os.getpid() == _forbidden_pid:
+    if not codec_allowed():
         raise RuntimeError(f"image {what} attempted in the denoise loop process")
+
 
 ImageInput = bytes | bytearray | memoryview | Image.Image
 
