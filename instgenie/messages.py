@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -221,6 +221,7 @@ class StepEntry(Nested):  # one iteration of the denoise loop (loop)
     duration_ms: float  # wall time of the iteration, ms
     members: list[tuple[str, int]]  # (uid, that request's step index) per batch member
     joined: list[str]  # uids admitted before this step
+    waited_ms: list[float]  # per joined uid: received by the loop -> admitted, ms
     left: list[str]  # uids retired after this step
     bytes_loaded: int  # cached activations copied in for this step, bytes
     compute_all_blocks: int  # blocks run on all tokens (no cache load), count
@@ -266,6 +267,11 @@ class Cancel(ClientToWorker):  # drop a request: leaves the batch next step, Edi
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
+class DropTemplate(ClientToWorker):  # forget a template and delete its cache in every tier
+    template_id: str  # RegisterTemplate.template_id; unknown ids are ignored (idempotent)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
 class Shutdown(ClientToWorker):  # stop the worker; new requests are refused at once
     drain: bool = True  # finish in-flight requests first
 
@@ -304,8 +310,8 @@ class EditDone(WorkerToClient):  # the result (post); times: worker wall clock, 
     mask_ratio: float  # fraction of latent tokens masked, [0, 1]
     num_steps: int  # denoise steps run
     path: str  # "masked" (template cache used) | "full"
-    cache: str | None = None  # tier the cache came from ("hbm" | "dram" | "disk"), None: no cache
-    queue_ms: float = 0.0  # accepted -> pre-process start
+    cache: str | None = None  # "hit" (template cache read) | "miss" | None (no template)
+    queue_ms: float = 0.0  # waiting: total_ms minus the three stage times below
     preprocess_ms: float = 0.0  # pre-process wall time
     denoise_ms: float = 0.0  # joined the batch -> left it
     postprocess_ms: float = 0.0  # post-process wall time (VAE decode, paste, encode)
@@ -325,6 +331,10 @@ class TemplateReady(WorkerToClient):  # outcome of RegisterTemplate (sup)
     template_id: str  # RegisterTemplate.template_id
     ok: bool  # the cache is built and resident
     message: str = ""  # why not ok; empty when ok
+    build_ms: float = 0.0  # registered -> cache ready (or failed), worker wall clock, ms (sup)
+    #: cache bytes per tier where the entry lives now: "gpu" | "cpu" (the loop's device store),
+    #: "dram" | "disk" (host store); empty when not ok (loop)
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -380,6 +390,12 @@ class ChildReady(Internal):  # a pre/loop/post process loaded its model parts (c
     role: str  # "pre" | "loop" | "post"
     index: int  # which one of its role, 0-based
     pid: int  # child pid
+    codec: bool  # this process may decode/encode images (False: the loop, except naive)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class BuildTemplate(Internal):  # prepare the capture run of a registered template (sup -> pre)
+    template_id: str  # RegisterTemplate.template_id, already sent to the same process
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

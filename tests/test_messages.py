@@ -20,7 +20,7 @@ BUNDLE = m.TensorBundle(segment="igw0-123_0123456789abcdef", size=32768, tensors
 # fmt: off
 STEP = m.StepEntry(
     step=7, t_start=1.7e9, duration_ms=41.5, members=[("a", 3), ("b", 0)], joined=["b"],
-    left=[], bytes_loaded=1 << 20, compute_all_blocks=2, policy="continuous",
+    waited_ms=[2.5], left=[], bytes_loaded=1 << 20, compute_all_blocks=2, policy="continuous",
 )
 # At least one example per registered message type, with non-default values where possible.
 EXAMPLES: list[m.Message] = [
@@ -47,6 +47,10 @@ EXAMPLES: list[m.Message] = [
     ),
     m.EditFailed(uid="u1", code="worker_died", message="worker 0 exited", retryable=True),
     m.TemplateReady(template_id="ef" * 32, ok=False, message="bad image"),
+    m.TemplateReady(
+        template_id="ef" * 32, ok=True, build_ms=1234.5, bytes_by_tier={"dram": 10, "disk": 10}
+    ),
+    m.DropTemplate(template_id="ef" * 32),
     m.Stats(counters={"requests_total": 10.0, "garbage_frames": 0.0, "p50_ms": 12.5}),
     m.StepLog(entries=[STEP, dataclasses.replace(STEP, step=8, members=[])]),
     m.WorkerReady(pid=1234, model="sd2-inpaint:tiny", device="cpu"),
@@ -57,7 +61,8 @@ EXAMPLES: list[m.Message] = [
     m.Finished(uid="u1", latents=BUNDLE, meta={}, denoise_ms=250.0),
     m.Heartbeat(pid=99, loop_iterations=12345, in_flight=["u1", "u2"], time=123.25),
     m.LoopSteps(entries=[STEP]),
-    m.ChildReady(role="loop", index=0, pid=4321),
+    m.ChildReady(role="loop", index=0, pid=4321, codec=False),
+    m.BuildTemplate(template_id="ef" * 32),
     m.Abort(uid="u1", reason="cancelled"),
     m.StopProcess(drain=False, reason="shutdown"),
     m.Ping(nonce=2**63, time=1.0),
