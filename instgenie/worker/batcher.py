@@ -27,6 +27,8 @@ class StepRecord:
     duration_ms: float
     members: list[tuple[str, int]]  # (uid, step index before this step)
     joined: list[str]
+    #: per joined uid: submit() -> admitted, ms
+    waited_ms: list[float]
     left: list[str]
     bytes_loaded: int
     compute_all_blocks: int
@@ -52,6 +54,7 @@ class Batcher:
     records: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=10_000))
     steps: int = 0
     _aborted: set[str] = field(default_factory=set)
+    _submitted: dict[str, float] = field(default_factory=dict)  # uid -> perf_counter()
 
     @property
     def in_flight(self) -> list[str]:
@@ -62,11 +65,14 @@ class Batcher:
         return not self.running and not self.waiting
 
     def submit(self, state: RequestState) -> None:
+        self._submitted[state.uid] = time.perf_counter()
         self.waiting.append(state)
 
     def abort(self, uid: str) -> None:
-        """Remove `uid` before the next step (it is retired with code "cancelled")."""
-        self._aborted.add(uid)
+        """Remove `uid` before the next step (it is retired with code "cancelled"); a uid that is
+        not held here is ignored (an abort never waits for a future request)."""
+        if uid in self.in_flight:
+            self._aborted.add(uid)
 
     def iterate(self) -> list[Retired]:
         """One loop iteration: drop aborted requests, admit, step, retire. Returns retirees."""
@@ -77,6 +83,7 @@ class Batcher:
             return retired
         members = [(s.uid, s.step_index) for s in self.running]
         t0, wall0 = time.perf_counter(), time.time()
+        waited = [1e3 * (t0 - self._submitted.pop(s.uid, t0)) for s in joined]
         try:
             # no device sync: the host enqueues step n + 1 while the GPU runs step n, so the
             # recorded duration is host time between step starts (≈ GPU step time when busy)
@@ -101,6 +108,7 @@ class Batcher:
                 duration_ms=ms,
                 members=members,
                 joined=[s.uid for s in joined],
+                waited_ms=waited,
                 left=[s.uid for s in done],
                 bytes_loaded=ctx.loader.bytes_loaded if ctx and ctx.loader else 0,
                 compute_all_blocks=len(ctx.compute_all) if ctx else 0,
@@ -119,6 +127,7 @@ class Batcher:
         for group in (self.running, self.waiting):
             for s in [s for s in group if s.uid in self._aborted]:
                 group.remove(s)
+                self._submitted.pop(s.uid, None)
                 self.pipe.release(s)
                 out.append(Retired(s, ("cancelled", "cancelled by the client")))
         self._aborted -= {r.state.uid for r in out}
@@ -129,6 +138,7 @@ class Batcher:
         for r in out:
             self.pipe.release(r.state)
         self.running, self.waiting = [], deque()
+        self._submitted.clear()
         return out
 
 

@@ -1,0 +1,221 @@
+"""The runtime every pre/loop/post process shares, and their entry point.
+
+    python -m instgenie.worker.child '<json spec>'
+
+spec = {"role": "pre"|"loop"|"post", "index": int, "inbox": addr, "outbox": addr,
+        "shm_base": str, "config": Config as to_dict}. The supervisor binds `inbox` (a PUSH per
+child incarnation) and `outbox` (one PULL for all children); the child connects to both, loads
+its model parts, sends ChildReady and runs its role. No pickle crosses: the spec is JSON, every
+message msgpack (messages.py), tensors shared memory (tensorshm.py).
+
+Invariants:
+- The child dies with the supervisor (PR_SET_PDEATHSIG = SIGKILL), so a killed supervisor
+  leaves no orphans; the supervisor cleans up the child's shm prefix when the child dies.
+- A heartbeat thread (its own socket) sends Heartbeat every interval with `iterations` and
+  `in_flight` as the role's main thread last published them: a main thread stuck inside one
+  iteration keeps beating but stops counting, which the supervisor's stall watchdog detects.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from instgenie.config import Config, from_dict
+from instgenie.engine.imageio import codec_allowed
+from instgenie.ipc import Channel
+from instgenie.logs import quiet_libraries, setup_process
+from instgenie.messages import (
+    Abort,
+    ChildReady,
+    Heartbeat,
+    Message,
+    Ping,
+    Pong,
+    StopProcess,
+    TensorBundle,
+)
+from instgenie.tensorshm import process_prefix, release
+
+log = logging.getLogger("instgenie.worker")
+
+ROLES = ("pre", "loop", "post")
+SEND_TIMEOUT_MS = 30_000  # a supervisor that takes no message for this long is gone
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux; no-op elsewhere)."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+class ChildRuntime:
+    def __init__(self, spec: dict) -> None:
+        self.role: str = spec["role"]
+        self.index: int = int(spec["index"])
+        self.config: Config = from_dict(Config, spec["config"])
+        self.wcfg = self.config.worker
+        self.shm_prefix = process_prefix(spec["shm_base"])  # this process packs under it
+        self.outbox_address: str = spec["outbox"]
+        self.inbox = Channel.pull(spec["inbox"], bind=False, name=f"{self.role}{self.index} in")
+        self.outbox = Channel.push(self.outbox_address, name=f"{self.role}{self.index} out")
+        #: published by the main thread (replaced, never mutated: the beat thread reads them)
+        self.iterations = 0
+        self.in_flight: tuple[str, ...] = ()
+        self._stop = threading.Event()
+        self._closers: list = []
+        #: work messages received but not yet handled (pre/post), in arrival order
+        self.pending: deque[Message] = deque()
+        self.stopping = False  # a StopProcess arrived
+        self._beat = threading.Thread(target=self._beats, name="heartbeat", daemon=True)
+
+    # ---- messaging ------------------------------------------------------------------------------
+    def send(self, msg: Message) -> None:
+        if not self.outbox.send(msg, timeout_ms=SEND_TIMEOUT_MS):
+            raise RuntimeError(f"supervisor took no message for {SEND_TIMEOUT_MS} ms")
+
+    def recv(self, timeout_ms: float | None) -> Message | None:
+        return self.inbox.recv(timeout_ms)
+
+    def next_work(self) -> Message | None:
+        """The next work message (pre/post), in arrival order; None when the process should exit.
+        Control messages are applied as they arrive, so an Abort overtakes queued work:
+        Abort drops its uid from `pending`, Ping is answered, StopProcess(drain) lets `pending`
+        finish first."""
+        while True:
+            block = not self.pending and not self.stopping
+            msg = self.recv(None if block else 0)
+            while msg is not None:
+                self._control(msg)
+                msg = self.recv(0)
+            if self.pending:
+                return self.pending.popleft()
+            if self.stopping:
+                return None
+
+    def _control(self, msg: Message) -> None:
+        if isinstance(msg, Abort):
+            for m in [m for m in self.pending if getattr(m, "uid", None) == msg.uid]:
+                self.pending.remove(m)
+                release_bundles(m)
+        elif isinstance(msg, Ping):
+            self.send(Pong(nonce=msg.nonce, time=msg.time, pid=os.getpid()))
+        elif isinstance(msg, StopProcess):
+            self.stopping = True
+            if not msg.drain:
+                for m in self.pending:
+                    release_bundles(m)
+                self.pending.clear()
+        else:
+            self.pending.append(msg)
+
+    def publish(self, in_flight: tuple[str, ...] | list[str]) -> None:
+        """End of one main-loop iteration: progress for the stall watchdog."""
+        self.in_flight = tuple(in_flight)
+        self.iterations += 1
+
+    def ready(self) -> None:
+        self._beat.start()
+        self.send(ChildReady(role=self.role, index=self.index, pid=os.getpid(),
+                             codec=codec_allowed()))  # fmt: skip
+
+    def _beats(self) -> None:
+        chan = Channel.push(self.outbox_address, name=f"{self.role}{self.index} beat")
+        try:
+            while not self._stop.wait(self.wcfg.heartbeat_interval_s):
+                beat = Heartbeat(pid=os.getpid(), loop_iterations=self.iterations,
+                                 in_flight=list(self.in_flight), time=time.monotonic())  # fmt: skip
+                chan.send(beat, timeout_ms=1000)
+        finally:
+            chan.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._beat.is_alive():
+            self._beat.join(timeout=5)
+        for close in self._closers:
+            close()
+        self.inbox.close()
+        self.outbox.close()
+
+    # ---- model ----------------------------------------------------------------------------------
+    def pipeline(self, parts: str, device: str, *, store: bool = True):
+        """The role's EditPipeline: only `parts` of the model are materialised; `store`: use the
+        worker's activation store (else an empty in-memory one)."""
+        from instgenie.cache.profiler import Profile
+        from instgenie.engine.family import load_family
+        from instgenie.engine.pipeline import EditPipeline
+
+        m = self.config.model
+        family = load_family(m.model, device=device, dtype=m.dtype, parts=parts)
+        profile = Profile.load_file(self.wcfg.profile) if self.wcfg.profile else None
+        if profile is not None and parts == "stages":
+            profile = None  # the planner is the loop's business
+        cache = make_store(self.config) if store else None
+        if cache is not None:
+            self._closers.append(cache.tiered.close)
+        return EditPipeline(family, self.config.limits, cache, profile)
+
+
+def release_bundles(msg: Message) -> None:
+    """Release the shm bundles a received message handed to this process (it is being dropped)."""
+    for value in (getattr(msg, "state", None), getattr(msg, "latents", None)):
+        if isinstance(value, TensorBundle):
+            release(value)
+
+
+def make_store(config: Config):
+    """The activation store of a worker process: the loop's device memory, or the host's shared
+    DRAM + disk tiers under worker.cache_root (shared by every process and worker using it)."""
+    w = config.worker
+    if not w.cache_root:
+        return None  # EditPipeline's default: an InMemoryStore on the family's device
+    from instgenie.cache.host_store import HostActivationStore
+    from instgenie.cache.tiered import TieredStore
+
+    root = Path(w.cache_root).resolve()
+    namespace = hashlib.sha256(str(root).encode()).hexdigest()[:12]
+    tiered = TieredStore(root, namespace, w.cache_dram_bytes, w.cache_disk_bytes,
+                         disk_enabled=w.cache_disk_bytes > 0)  # fmt: skip
+    return HostActivationStore(tiered, root)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    die_with_parent()
+    spec = json.loads(argv[0])
+    if spec.get("role") not in ROLES:
+        raise SystemExit(f"unknown role {spec.get('role')!r}; expected one of {ROLES}")
+    setup_process(f"{spec['role']}{spec['index']}")
+    quiet_libraries()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides (Ctrl-C hits the group)
+    rt = ChildRuntime(spec)
+    try:
+        if rt.role == "loop":
+            from instgenie.worker.loop import run
+        elif rt.role == "pre":
+            from instgenie.worker.pre import run
+        else:
+            from instgenie.worker.post import run
+        run(rt)
+    finally:
+        rt.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

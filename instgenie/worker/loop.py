@@ -1,0 +1,264 @@
+"""The denoise loop process: one GPU, one running batch, one step per iteration.
+
+    while running:
+        receive()                      # Prepared -> waiting, Abort -> marked, ...
+        retired = batcher.iterate()    # admit (policy) -> plan + one step -> retire
+        log_steps()                    # step log to the supervisor
+        retire(retired)                # Finished -> post at once (or EditFailed / TemplateReady)
+        publish()                      # progress for the supervisor's stall watchdog
+
+It blocks on its inbox only when it holds no request. Under `continuous` and `static` it holds only
+the backbone (UNet / transformer) and may never run image codec work (enforced: imageio raises in
+this process); under `naive-continuous` it also holds the encoders and VAE and runs pre- and
+post-processing itself, between steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+
+from instgenie import faults
+from instgenie.cache.index import EntryInUse
+from instgenie.engine.imageio import forbid_codec_in_this_process
+from instgenie.engine.pipeline import EditPipeline
+from instgenie.engine.request import RequestState
+from instgenie.messages import (
+    Abort,
+    BuildTemplate,
+    DropTemplate,
+    EditFailed,
+    Finished,
+    LoopSteps,
+    Message,
+    Ping,
+    Pong,
+    Prepared,
+    Progress,
+    RegisterTemplate,
+    StepEntry,
+    StopProcess,
+    SubmitEdit,
+    TemplateReady,
+)
+from instgenie.tensorshm import pack, release, unpack
+from instgenie.worker.batcher import Batcher, Retired
+from instgenie.worker.child import ChildRuntime, release_bundles
+from instgenie.worker.codec import from_parts, to_parts
+from instgenie.worker.policies import get_policy
+from instgenie.worker.stages import Stages, capture_uid, failure
+
+
+class Loop:
+    def __init__(self, rt: ChildRuntime, pipe: EditPipeline, inline: Stages | None) -> None:
+        self.rt = rt
+        self.pipe = pipe
+        self.device = pipe.family.device
+        #: pre/post stages run in this process (naive-continuous), else None
+        self.inline = inline
+        policy = get_policy(rt.wcfg.policy)
+        self.batcher = Batcher(pipe, policy, rt.wcfg.max_batch, on_step=self._progress)
+        self.joined_at: dict[str, float] = {}  # uid -> unix time of its first step
+        self.pre_ms: dict[str, float] = {}  # uid -> inline pre-processing ms (naive only)
+        self.reported = 0  # step records sent to the supervisor
+        self.stop: StopProcess | None = None
+        #: client template id -> cache key, for every capture this loop ran (DropTemplate)
+        self.template_keys: dict[str, str] = {}
+        #: cache keys of dropped templates still referenced by running edits; deleted on retire
+        self.drops: set[str] = set()
+
+    def run(self) -> None:
+        while True:
+            self.receive()
+            if self.stop is not None and self.batcher.idle:
+                return
+            faults.stall(self.batcher.running)
+            faults.hold(self.batcher.running)
+            retired = self.batcher.iterate()
+            self.log_steps()  # first: it records join times that retire() reads
+            self.retire(retired)
+            self.rt.publish(self.batcher.in_flight)
+
+    # ---- receive --------------------------------------------------------------------------------
+    def receive(self) -> None:
+        """Handle every waiting message; block for the first only when holding no request."""
+        msg = self.rt.recv(None if self.batcher.idle and self.stop is None else 0)
+        while msg is not None:
+            self.handle(msg)
+            msg = self.rt.recv(0)
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, Prepared):
+            if self.stop is not None and not self.stop.drain:
+                release_bundles(msg)
+                return
+            try:
+                state = from_parts(unpack(msg.state, unlink=True), msg.meta, self.device)
+            except Exception as e:
+                release(msg.state)
+                self._refuse(msg.uid, msg.meta.get("extras", {}).get("template_id"), e)
+                return
+            self.admit(state)
+        elif isinstance(msg, Abort):
+            self.batcher.abort(msg.uid)
+        elif isinstance(msg, DropTemplate):
+            self.drop_template(msg.template_id)
+        elif isinstance(msg, Ping):
+            self.rt.send(Pong(nonce=msg.nonce, time=msg.time, pid=os.getpid()))
+        elif isinstance(msg, StopProcess):
+            self.stop = msg
+            if not msg.drain:
+                self.retire(self.batcher.fail_all("shutting_down", "the worker is shutting down"))
+        elif self.inline is not None:
+            self.handle_inline(msg)
+
+    def handle_inline(self, msg: Message) -> None:
+        """naive-continuous: pre-processing here, between steps."""
+        assert self.inline is not None
+        if isinstance(msg, RegisterTemplate):
+            self.inline.register(msg)
+            return
+        uid = msg.uid if isinstance(msg, SubmitEdit) else None
+        template = msg.template_id if isinstance(msg, BuildTemplate) else None
+        t0 = time.perf_counter()
+        try:
+            if isinstance(msg, SubmitEdit):
+                state = self.inline.prepare(msg)
+            elif isinstance(msg, BuildTemplate):
+                state = self.inline.build(msg.template_id)
+            else:
+                return
+        except Exception as e:
+            self._refuse(uid, template, e)
+            return
+        self.pre_ms[state.uid] = 1e3 * (time.perf_counter() - t0)
+        self.admit(state)
+
+    def admit(self, state: RequestState) -> None:
+        """Into the waiting queue: edits on a template pick their path against this process's
+        store; a capture run gets its cache writer (or is answered at once if the cache exists)."""
+        key = state.extras.get("capture_key")
+        if key is not None:
+            template = state.extras["template_id"]
+            status = self.pipe.store.status(key)
+            if status != "absent":
+                self.template_ready(template, key, "" if status == "ready" else status)
+                return
+            self.template_keys[template] = key
+            self.pipe.attach_writer(state, key)
+        elif state.request.template_id is not None:
+            self.pipe.select_path(state, state.request.template_id)
+        faults.poison(state)
+        self.batcher.submit(state)
+
+    def _refuse(self, uid: str | None, template: str | None, exc: Exception) -> None:
+        if template is not None:
+            why = failure(template, exc).message
+            self.rt.send(TemplateReady(template_id=template, ok=False, message=why))
+        elif uid is not None:
+            self.rt.send(failure(uid, exc))
+
+    # ---- retire ---------------------------------------------------------------------------------
+    def retire(self, retired: list[Retired]) -> None:
+        now = time.time()
+        for r in retired:
+            s = r.state
+            joined = self.joined_at.pop(s.uid, None)
+            denoise_ms = 0.0 if joined is None else 1e3 * (now - joined)
+            pre_ms = self.pre_ms.pop(s.uid, 0.0)
+            if "capture_key" in s.extras:
+                key = s.extras["capture_key"]
+                status = self.pipe.store.status(key)
+                why = r.error[1] if r.error else "" if status == "ready" else "not committed"
+                self.template_ready(s.extras["template_id"], key, why)
+            elif r.error is not None:
+                code, message = r.error
+                self.rt.send(EditFailed(uid=s.uid, code=code, message=message, retryable=False))
+            elif self.inline is not None:
+                self.finish_inline(s, pre_ms, denoise_ms)
+            else:
+                self.send_finished(s, denoise_ms)
+
+        if retired and self.drops:
+            for key in list(self.drops):
+                self._delete(key)
+
+    # ---- template caches ------------------------------------------------------------------------
+    def template_ready(self, template_id: str, key: str, why: str) -> None:
+        """TemplateReady for a capture (why == "": ok) with the cache's bytes per tier."""
+        tiers = {}
+        if not why:
+            store = self.pipe.store
+            tier = store.tier(key) if hasattr(store, "tier") else store.device.type
+            tiers = {"gpu" if tier == "cuda" else tier: store.meta(key).nbytes}
+        msg = TemplateReady(template_id=template_id, ok=not why, message=why, bytes_by_tier=tiers)
+        self.rt.send(msg)
+
+    def drop_template(self, template_id: str) -> None:
+        """Forget a template: abort its capture if running, delete its cache (now, or when the
+        last running edit on it retires: entries in use are never deleted)."""
+        key = self.template_keys.pop(template_id, None)
+        if self.inline is not None:
+            key = self.inline.drop(template_id) or key
+        self.batcher.abort(capture_uid(template_id))
+        if key is not None and key not in self.template_keys.values():
+            self._delete(key)
+
+    def _delete(self, key: str) -> None:
+        if any(s.cache_key == key for s in [*self.batcher.running, *self.batcher.waiting]):
+            self.drops.add(key)
+            return
+        try:
+            self.pipe.store.delete(key)
+            self.drops.discard(key)
+        except EntryInUse:  # another worker of the host reads it: retried on the next retire
+            self.drops.add(key)
+
+    def send_finished(self, state: RequestState, denoise_ms: float) -> None:
+        tensors, meta = to_parts(state, for_post=True)
+        bundle = pack(tensors, self.rt.shm_prefix)
+        try:
+            self.rt.send(Finished(uid=state.uid, latents=bundle, meta=meta, denoise_ms=denoise_ms))
+        except BaseException:
+            release(bundle)
+            raise
+
+    def finish_inline(self, state: RequestState, pre_ms: float, denoise_ms: float) -> None:
+        assert self.inline is not None
+        try:
+            done = self.inline.finish(state)
+        except Exception as e:
+            self.rt.send(failure(state.uid, e))
+            return
+        self.rt.send(dataclasses.replace(done, preprocess_ms=pre_ms, denoise_ms=denoise_ms))
+
+    # ---- report ---------------------------------------------------------------------------------
+    def _progress(self, states: list[RequestState]) -> None:
+        for s in states:
+            if "capture_key" not in s.extras:
+                self.rt.send(Progress(uid=s.uid, step=s.step_index, num_steps=s.num_steps))
+
+    def log_steps(self) -> None:
+        new = self.batcher.steps - self.reported
+        if new > 0:
+            records = list(self.batcher.records)[-new:]
+            for rec in records:
+                for uid in rec.joined:
+                    self.joined_at.setdefault(uid, rec.t_start)
+            entries = [StepEntry(**dataclasses.asdict(rec)) for rec in records]
+            self.rt.send(LoopSteps(entries=entries))
+            self.reported = self.batcher.steps
+
+
+def run(rt: ChildRuntime) -> None:
+    inline = get_policy(rt.wcfg.policy).inline_stages
+    pipe = rt.pipeline("all" if inline else "backbone", rt.config.model.device)
+    if not inline:
+        forbid_codec_in_this_process()
+    loop = Loop(rt, pipe, Stages(pipe) if inline else None)
+    rt.ready()
+    with torch.inference_mode():
+        loop.run()

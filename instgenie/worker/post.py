@@ -1,0 +1,37 @@
+"""The post-processing process: Finished -> EditDone (VAE decode, resize back, paste-back, image
+encode). It owns each Finished bundle from receipt and releases it at once (unpack unlink=True).
+A request that fails here fails alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from instgenie.messages import Finished
+from instgenie.tensorshm import unpack
+from instgenie.worker.child import ChildRuntime
+from instgenie.worker.codec import from_parts
+from instgenie.worker.stages import Stages, failure
+
+
+def run(rt: ChildRuntime) -> None:
+    device = rt.wcfg.stage_device or rt.config.model.device
+    stages = Stages(rt.pipeline("stages", device, store=False))
+    rt.ready()
+    while (msg := rt.next_work()) is not None:
+        if not isinstance(msg, Finished):
+            continue
+        rt.in_flight = (msg.uid,)
+        t0 = time.perf_counter()
+        try:
+            state = from_parts(unpack(msg.latents, unlink=True), msg.meta, torch.device(device))
+            done = stages.finish(state)
+            done = dataclasses.replace(done, postprocess_ms=1e3 * (time.perf_counter() - t0))
+        except Exception as e:
+            rt.send(failure(msg.uid, e))
+        else:
+            rt.send(done)
+        rt.publish(())
