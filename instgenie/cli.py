@@ -10,21 +10,18 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from instgenie.config import LimitsConfig, ModelConfig, add_dataclass_args, dataclass_from_args
+from instgenie.config import (
+    LimitsConfig,
+    ModelConfig,
+    WorkerConfig,
+    add_dataclass_args,
+    dataclass_from_args,
+)
 from instgenie.errors import InstGenIEError, ModelLoadError, ValidationError
+from instgenie.logs import quiet_libraries
 
 EXIT_INVALID_INPUT = 2
 EXIT_MODEL_LOAD = 3
-
-
-def _quiet_libraries() -> None:
-    """diffusers/transformers log advisory warnings (torchvision absent, dtype casts) on every
-    import; the CLI prints only its own results and errors."""
-    import diffusers
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.set_verbosity_error()
 
 
 def _sample_asset(name: str) -> bytes:
@@ -41,7 +38,7 @@ def _read(path: str | None, sample: str) -> bytes:
 
 
 def cmd_edit(args: argparse.Namespace) -> int:
-    _quiet_libraries()
+    quiet_libraries()
     from instgenie.engine.pipeline import EditPipeline
     from instgenie.engine.request import EditRequest
 
@@ -94,7 +91,7 @@ def cmd_edit(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_step(args: argparse.Namespace) -> int:
-    _quiet_libraries()
+    quiet_libraries()
     from instgenie.engine.pipeline import EditPipeline
     from instgenie.engine.stepbench import bench_step
 
@@ -111,7 +108,7 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    _quiet_libraries()
+    quiet_libraries()
     import platform
 
     import diffusers
@@ -150,6 +147,31 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(line)
     print(f"wrote {out}")
     return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run one worker in this process (its children are subprocesses) until SIGTERM/SIGINT."""
+    from instgenie.config import Config
+    from instgenie.logs import setup_process
+    from instgenie.worker.supervisor import Supervisor
+
+    config = Config(
+        model=dataclass_from_args(ModelConfig, args),
+        limits=dataclass_from_args(LimitsConfig, args),
+        worker=dataclass_from_args(WorkerConfig, args),
+    )
+    setup_process("sup")
+
+    def ready(msg) -> None:  # one JSON line on stdout: scripts wait for it
+        info = {"event": "ready", "address": sup.address, "pid": msg.pid, "model": msg.model,
+                "device": msg.device, "policy": config.worker.policy}  # fmt: skip
+        print(json.dumps(info), flush=True)
+
+    try:
+        sup = Supervisor(config, args.address, allow_remote=args.allow_remote, on_ready=ready)
+    except ValueError as exc:  # a non-local address without --allow-remote
+        raise ValidationError("address", str(exc)) from None
+    return sup.run()
 
 
 def _sync(device: str) -> None:
@@ -203,6 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--disk-dir", default=None, help="profile the disk tier in this directory")
     prof.add_argument("--disk-mb", type=float, nargs="+", default=[4, 16, 64, 256])
     prof.set_defaults(func=cmd_profile)
+
+    worker = sub.add_parser("worker", help="run one worker (denoise loop + pre/post processes)")
+    worker.add_argument("--address", default="tcp://127.0.0.1:7700",
+                        help="ZMQ address clients connect to (ipc:// or loopback tcp)")  # fmt: skip
+    worker.add_argument("--allow-remote", action="store_true",
+                        help="allow binding a non-loopback tcp address")  # fmt: skip
+    add_dataclass_args(worker, ModelConfig)
+    add_dataclass_args(worker, LimitsConfig)
+    add_dataclass_args(worker, WorkerConfig)
+    worker.set_defaults(func=cmd_worker)
     return parser
 
 
