@@ -155,11 +155,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from instgenie.logs import setup_process
     from instgenie.worker.supervisor import Supervisor
 
-    config = Config(
-        model=dataclass_from_args(ModelConfig, args),
-        limits=dataclass_from_args(LimitsConfig, args),
-        worker=dataclass_from_args(WorkerConfig, args),
-    )
+    try:
+        config = Config(
+            model=dataclass_from_args(ModelConfig, args),
+            limits=dataclass_from_args(LimitsConfig, args),
+            worker=dataclass_from_args(WorkerConfig, args),
+        )
+    except ValueError as exc:
+        raise ValidationError("worker", str(exc)) from None
     setup_process("sup")
 
     def ready(msg) -> None:  # one JSON line on stdout: scripts wait for it

@@ -53,7 +53,14 @@ class WorkerConfig:
     num_pre: int = 1
     #: post-processing processes (VAE decode, paste-back, image encode)
     num_post: int = 1
-    #: torch device of the pre/post processes' encoders and VAE; "" = the model's device
+    #: where the prompt encoders and the VAE run: "loop" (in the denoise loop process, between
+    #: steps: one CUDA context, so no time-slicing against another process; the pre/post
+    #: processes then only decode/validate/resize and paste back/encode images, with no model)
+    #: or "process" (in the pre/post processes, on `stage_device`). Measured in
+    #: docs/decisions/0009-worker-stage-placement.md. naive-continuous runs everything in the loop.
+    model_stages: str = "loop"
+    #: torch device of the pre/post processes' encoders and VAE (model_stages="process"); "" =
+    #: the model's device
     stage_device: str = ""
     #: a child that has not loaded its model parts after this long, seconds, is restarted
     start_timeout_s: float = 900.0
@@ -80,6 +87,10 @@ class WorkerConfig:
     #: fitted latency profile (JSON, `instgenie profile`) for the per-step load planner; ""
     #: = no planner (every cached block is loaded)
     profile: str = ""
+
+    def __post_init__(self) -> None:
+        if self.model_stages not in ("loop", "process"):
+            raise ValueError(f"model_stages: {self.model_stages!r} is not one of loop, process")
 
 
 @dataclass(frozen=True)

@@ -312,9 +312,10 @@ class EditDone(WorkerToClient):  # the result (post); times: worker wall clock, 
     path: str  # "masked" (template cache used) | "full"
     cache: str | None = None  # "hit" (template cache read) | "miss" | None (no template)
     queue_ms: float = 0.0  # waiting: total_ms minus the three stage times below
-    preprocess_ms: float = 0.0  # pre-process wall time
+    preprocess_ms: float = 0.0  # pre-process wall time (decode, validate, prompt + VAE encode)
     denoise_ms: float = 0.0  # joined the batch -> left it
     postprocess_ms: float = 0.0  # post-process wall time (VAE decode, paste, encode)
+    # (with model_stages="loop" the encode/decode parts ran in the loop, between steps)
     total_ms: float = 0.0  # accepted -> done
 
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from instgenie.engine.family import load_family
+from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
-from instgenie.worker.codec import from_parts, to_parts
+from instgenie.worker.codec import (
+    decoded_image,
+    from_parts,
+    inputs_from_parts,
+    inputs_to_parts,
+    to_parts,
+)
 from tests.conftest import FAMILIES, make_image, make_mask, png_bytes, tiny_pipeline
 
 
@@ -31,3 +39,28 @@ def test_round_trip_then_identical_denoising() -> None:
         ia, ic = pipe.postprocess([a])[0], pipe.postprocess([c])[0]
         assert np.array_equal(np.asarray(ia.image), np.asarray(ic.image))
         assert ic.num_steps == 3 and ic.image.size == (96, 128)
+
+
+def test_split_stages_equal_the_one_process_pipeline() -> None:
+    """model_stages="loop": a model-less pre process decodes, the loop encodes and VAE-decodes, a
+    model-less post process pastes back and encodes; the bytes equal one in-process run."""
+    for family in FAMILIES:
+        pipe = tiny_pipeline(family)
+        codec_only = EditPipeline(load_family(f"{family}:tiny", parts="none"))
+        weights = [p for m in codec_only.family.pipe.components.values()
+                   if isinstance(m, torch.nn.Module) for p in m.parameters()]  # fmt: skip
+        assert weights and all(p.device.type == "meta" for p in weights)  # no model in memory
+        req = EditRequest(uid="s", image=png_bytes(make_image(72, 64)), mask=png_bytes(
+            make_mask(72, 64)), prompt="a cap", seed=5, num_inference_steps=2)  # fmt: skip
+        uid, inputs, extras = inputs_from_parts(
+            *inputs_to_parts("s", codec_only.decode_inputs(req), {"k": 1})
+        )
+        assert (uid, extras) == ("s", {"k": 1})
+        state = pipe.encode_inputs(inputs)
+        while not state.is_done:
+            pipe.denoise_step([state])
+        img = pipe.decode_latents([state])[0]
+        tensors, meta = to_parts(state, for_post=True, decoded=img)
+        post_state = from_parts(tensors, meta, torch.device("cpu"))
+        out = codec_only.finish(post_state, decoded_image(tensors, meta))
+        assert out.data == pipe.run([req])[0].data

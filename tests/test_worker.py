@@ -144,6 +144,14 @@ def test_output_equals_direct_pipeline(cont) -> None:
     assert done.total_ms >= done.preprocess_ms + done.denoise_ms + done.postprocess_ms
 
 
+def test_model_stages_in_the_pre_post_processes_is_exact_too() -> None:
+    """model_stages="process": encoders/VAE in the pre/post processes, not in the loop."""
+    with _worker(_config(model_stages="process")) as (handle, _):
+        fields = _fields("proc", 3, seed=11, prompt="a wool hat")
+        done = handle.client.run_edit(**fields)
+        assert done.data == _direct(fields) and done.path == "full"
+
+
 def test_template_edit_is_masked_and_exact(cont) -> None:
     handle, _ = cont
     image = png_bytes(make_image(SIZE, SIZE, seed=3))

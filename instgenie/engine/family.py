@@ -130,7 +130,8 @@ def load_family(
     spec: str | ModelSpec, device: str = "cpu", dtype: str = "auto", parts: str = "all"
 ) -> ModelFamily:
     """Build or load a model family adapter. Never touches the network. `parts`: "all",
-    "backbone" (denoise loop) or "stages" (pre/post-processing); see AdapterBase.load."""
+    "backbone" (denoise loop), "stages" (pre/post-processing) or "none" (image codec work
+    only); see AdapterBase.load."""
     spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(spec)
     cls = _registry()[spec.family]
     return cls.load(spec, device=device, dtype=resolve_dtype(cls, device, dtype), parts=parts)

@@ -55,6 +55,19 @@ class EditResult:
     cache: str | None
 
 
+@dataclass
+class DecodedInputs:
+    """Pre-processing's CPU half (decode, validate, resize): what the model half needs."""
+
+    request: EditRequest
+    image: Image.Image  # as given: the paste-back source, output size
+    mask: Image.Image  # binary "L" (255 = edit), image's size
+    work_image: Image.Image  # resized to (width, height), the working resolution
+    work_mask: Image.Image
+    height: int  # working resolution, pixels
+    width: int
+
+
 class EditPipeline:
     def __init__(
         self,
@@ -178,6 +191,12 @@ class EditPipeline:
     def prepare_capture(self, key: str) -> RequestState:
         """Pre-process the capture run of a registered template (no store access: in a worker
         this runs in the pre-processing process, the writer is attached in the loop)."""
+        state = self.encode_inputs(self.capture_inputs(key))
+        state.extras["capture_key"] = key
+        return state
+
+    def capture_inputs(self, key: str) -> DecodedInputs:
+        """The decoded inputs of a registered template's capture run."""
         rec = self.templates[key]
         spec = rec.spec
         image = rec.image
@@ -191,9 +210,7 @@ class EditPipeline:
             num_inference_steps=spec.num_inference_steps, guidance_scale=spec.guidance_scale,
             strength=spec.strength, height=rec.height, width=rec.width,
         )  # fmt: skip
-        state = self._prepare(req, image, mask, rec.height, rec.width)
-        state.extras["capture_key"] = key
-        return state
+        return self._resize(req, image, mask, rec.height, rec.width)
 
     def attach_writer(self, state: RequestState, key: str) -> None:
         """Make `state` (a prepared capture run) record template `key`'s cache."""
@@ -223,28 +240,40 @@ class EditPipeline:
         return fn(template_id)
 
     # ---- pre-process ---------------------------------------------------------------------------
-    def _prepare(
-        self, req: EditRequest, image: Image.Image, mask: Image.Image, height: int, width: int
-    ) -> RequestState:
+    @staticmethod
+    def _resize(
+        req: EditRequest, image: Image.Image, mask: Image.Image, height: int, width: int
+    ) -> DecodedInputs:
         work_image, work_mask = image, mask
         if image.size != (width, height):
             work_image = image.resize((width, height), Image.Resampling.LANCZOS)
             work_mask = mask.resize((width, height), Image.Resampling.NEAREST)
+        return DecodedInputs(req, image, mask, work_image, work_mask, height, width)
+
+    def decode_inputs(self, req: EditRequest) -> DecodedInputs:
+        """Pre-processing's CPU half: validate every field, decode, resize. No model work."""
+        image, mask, height, width = self.validate(req)
+        inputs = self._resize(req, image, mask, height, width)
+        if not inputs.work_mask.getbbox():  # binary: empty = all zero
+            raise ValidationError(
+                "mask", f"becomes empty at the working resolution {width}x{height}"
+            )
+        return inputs
+
+    def encode_inputs(self, inputs: DecodedInputs) -> RequestState:
+        """Pre-processing's model half: prompt encoding, VAE encoding, initial noise."""
         with torch.inference_mode():
-            state = self.family.prepare(req, work_image, work_mask, height, width)
-        state.original_image, state.original_mask = image, mask
+            state = self.family.prepare(
+                inputs.request, inputs.work_image, inputs.work_mask, inputs.height, inputs.width
+            )
+        state.original_image, state.original_mask = inputs.image, inputs.mask
         return state
 
     def preprocess(self, req: EditRequest, select_path: bool = True) -> RequestState:
         """Validate and prepare. With `select_path` (one process), an edit on a template picks
         the masked path here; a worker's pre-processing process passes False and its loop calls
         `select_path` against the loop's own store."""
-        image, mask, height, width = self.validate(req)
-        state = self._prepare(req, image, mask, height, width)
-        if not state.mask.getbbox():
-            raise ValidationError(
-                "mask", f"becomes empty at the working resolution {width}x{height}"
-            )
+        state = self.encode_inputs(self.decode_inputs(req))
         if select_path and req.template_id is not None:
             self.select_path(state, req.template_id)
         return state
@@ -298,28 +327,31 @@ class EditPipeline:
 
     # ---- post-process --------------------------------------------------------------------------
     def postprocess(self, batch: Sequence[RequestState]) -> list[EditResult]:
+        images = self.decode_latents(batch)
+        return [self.finish(state, img) for state, img in zip(batch, images, strict=True)]
+
+    def decode_latents(self, batch: Sequence[RequestState]) -> list[Image.Image]:
+        """Post-processing's model half: VAE decode (working resolution)."""
         with torch.inference_mode():
-            images = self.family.decode(list(batch))
-        results = []
-        for state, img in zip(batch, images, strict=True):
-            original, mask = state.original_image or state.image, state.original_mask or state.mask
-            if img.size != original.size:
-                img = img.resize(original.size, Image.Resampling.LANCZOS)
-            if state.request.paste_back:
-                img = paste_back(img, original, mask)
-            results.append(
-                EditResult(
-                    uid=state.uid,
-                    data=encode_image(img, state.request.output_format),
-                    output_format=state.request.output_format.lower(),
-                    image=img,
-                    mask_ratio=mask_ratio(mask),
-                    num_steps=state.num_steps,
-                    path=state.path,
-                    cache=state.extras.get("cache"),
-                )
-            )
-        return results
+            return self.family.decode(list(batch))
+
+    def finish(self, state: RequestState, img: Image.Image) -> EditResult:
+        """Post-processing's CPU half: back to the input size, paste-back, encode."""
+        original, mask = state.original_image or state.image, state.original_mask or state.mask
+        if img.size != original.size:
+            img = img.resize(original.size, Image.Resampling.LANCZOS)
+        if state.request.paste_back:
+            img = paste_back(img, original, mask)
+        return EditResult(
+            uid=state.uid,
+            data=encode_image(img, state.request.output_format),
+            output_format=state.request.output_format.lower(),
+            image=img,
+            mask_ratio=mask_ratio(mask),
+            num_steps=state.num_steps,
+            path=state.path,
+            cache=state.extras.get("cache"),
+        )
 
     # ---- convenience ---------------------------------------------------------------------------
     def run(self, requests: Sequence[EditRequest]) -> list[EditResult]:

@@ -1,7 +1,9 @@
 """RequestState <-> (CPU tensors, JSON-able meta): how a request crosses process boundaries.
 
 Tensors go into a shared-memory bundle (instgenie.tensorshm); the meta dict travels in the
-msgpack message. Images travel as uint8 arrays (decoded once, in pre-processing). Only the
+msgpack message. With `model_stages="loop"` a request crosses as decoded inputs (pre -> loop,
+`inputs_to_parts`) and its finished state carries the VAE-decoded image (loop -> post,
+`to_parts(decoded=...)`). Images travel as uint8 arrays (decoded once, in pre-processing). Only the
 loop holds device tensors; `from_parts` moves the denoising tensors to the given device.
 """
 
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from instgenie.engine.pipeline import DecodedInputs
 from instgenie.engine.request import EditRequest, RequestState
 
 #: tensors a finished request needs in post-processing (cond is dropped after the last step)
@@ -31,10 +34,41 @@ def _pil(t: torch.Tensor, mode: str) -> Image.Image:
     return Image.fromarray(t.numpy(), mode=mode)
 
 
-def to_parts(
-    state: RequestState, *, for_post: bool = False
+def inputs_to_parts(
+    uid: str, inputs: DecodedInputs, extras: dict[str, Any]
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split a state (before or after denoising) into CPU tensors and meta."""
+    """Decoded, validated inputs (pre-processing's CPU half) as CPU tensors and meta."""
+    tensors = {"image": _img(inputs.image), "mask": _img(inputs.mask)}
+    if inputs.work_image is not inputs.image:
+        tensors["work_image"] = _img(inputs.work_image)
+        tensors["work_mask"] = _img(inputs.work_mask)
+    meta = {
+        "uid": uid, "inputs": True, "image_mode": inputs.image.mode,
+        "request": {k: getattr(inputs.request, k) for k in _REQUEST_FIELDS},
+        "height": inputs.height, "width": inputs.width, "extras": extras,
+    }  # fmt: skip
+    return tensors, meta
+
+
+def inputs_from_parts(
+    tensors: dict[str, torch.Tensor], meta: dict
+) -> tuple[str, DecodedInputs, dict[str, Any]]:
+    """The inverse of `inputs_to_parts`: (uid, inputs, extras)."""
+    req = EditRequest(image=None, mask=b"", **meta["request"])
+    image, mask = _pil(tensors["image"], meta["image_mode"]), _pil(tensors["mask"], "L")
+    work_image, work_mask = image, mask
+    if "work_image" in tensors:
+        work_image = _pil(tensors["work_image"], meta["image_mode"])
+        work_mask = _pil(tensors["work_mask"], "L")
+    inputs = DecodedInputs(req, image, mask, work_image, work_mask, meta["height"], meta["width"])
+    return meta["uid"], inputs, dict(meta["extras"])
+
+
+def to_parts(
+    state: RequestState, *, for_post: bool = False, decoded: Image.Image | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split a state (before or after denoising) into CPU tensors and meta; `decoded`: its
+    VAE-decoded image (then post-processing needs no model)."""
     tensors: dict[str, torch.Tensor] = {
         "latents": state.latents,
         "timesteps": state.timesteps,
@@ -48,6 +82,8 @@ def to_parts(
         tensors["original_mask"] = _img(state.original_mask)
     if not for_post:
         tensors.update({f"cond.{k}": v for k, v in state.cond.items()})
+    if decoded is not None:
+        tensors["decoded"] = _img(decoded)
     extras: dict[str, Any] = {}
     for k, v in state.extras.items():
         if isinstance(v, torch.Tensor):
@@ -65,6 +101,8 @@ def to_parts(
         "extras": extras,
         "image_mode": state.image.mode,
     }
+    if decoded is not None:
+        meta["decoded_mode"] = decoded.mode
     return tensors, meta
 
 
@@ -102,3 +140,8 @@ def from_parts(tensors: dict[str, torch.Tensor], meta: dict, device: torch.devic
         state.original_image = _pil(tensors["original_image"], meta["image_mode"])
         state.original_mask = _pil(tensors["original_mask"], "L")
     return state
+
+
+def decoded_image(tensors: dict[str, torch.Tensor], meta: dict) -> Image.Image | None:
+    """The VAE-decoded image a finished state carries (`to_parts(decoded=...)`), else None."""
+    return _pil(tensors["decoded"], meta["decoded_mode"]) if "decoded" in tensors else None

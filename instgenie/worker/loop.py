@@ -7,10 +7,11 @@
         retire(retired)                # Finished -> post at once (or EditFailed / TemplateReady)
         publish()                      # progress for the supervisor's stall watchdog
 
-It blocks on its inbox only when it holds no request. Under `continuous` and `static` it holds only
-the backbone (UNet / transformer) and may never run image codec work (enforced: imageio raises in
-this process); under `naive-continuous` it also holds the encoders and VAE and runs pre- and
-post-processing itself, between steps.
+It blocks on its inbox only when it holds no request. Under `continuous` and `static` it never
+runs image codec work (enforced: imageio raises in this process); with model_stages="loop" (the
+default) it also holds the prompt encoders and the VAE and runs their work between steps (encode
+on receipt, decode on retire), with "process" only the backbone (UNet / transformer). Under
+`naive-continuous` it runs all of pre- and post-processing itself, between steps.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import time
 
 import torch
+from PIL import Image
 
 from instgenie import faults
 from instgenie.cache.index import EntryInUse
@@ -47,7 +49,7 @@ from instgenie.messages import (
 from instgenie.tensorshm import pack, release, unpack
 from instgenie.worker.batcher import Batcher, Retired
 from instgenie.worker.child import ChildRuntime, release_bundles
-from instgenie.worker.codec import from_parts, to_parts
+from instgenie.worker.codec import from_parts, inputs_from_parts, to_parts
 from instgenie.worker.policies import get_policy
 from instgenie.worker.stages import Stages, capture_uid, failure
 
@@ -65,6 +67,8 @@ class Loop:
         self.pre_ms: dict[str, float] = {}  # uid -> inline pre-processing ms (naive only)
         self.reported = 0  # step records sent to the supervisor
         self.stop: StopProcess | None = None
+        #: model_stages="loop": VAE decode here (post-processing then needs no model)
+        self.decode_here = inline is None and rt.wcfg.model_stages == "loop"
         #: client template id -> cache key, for every capture this loop ran (DropTemplate)
         self.template_keys: dict[str, str] = {}
         #: cache keys of dropped templates still referenced by running edits; deleted on retire
@@ -96,7 +100,11 @@ class Loop:
                 release_bundles(msg)
                 return
             try:
-                state = from_parts(unpack(msg.state, unlink=True), msg.meta, self.device)
+                tensors = unpack(msg.state, unlink=True)
+                if msg.meta.get("inputs"):  # model_stages="loop": encode here
+                    state = self.encode(tensors, msg.meta)
+                else:
+                    state = from_parts(tensors, msg.meta, self.device)
             except Exception as e:
                 release(msg.state)
                 self._refuse(msg.uid, msg.meta.get("extras", {}).get("template_id"), e)
@@ -114,6 +122,15 @@ class Loop:
                 self.retire(self.batcher.fail_all("shutting_down", "the worker is shutting down"))
         elif self.inline is not None:
             self.handle_inline(msg)
+
+    def encode(self, tensors: dict[str, torch.Tensor], meta: dict) -> RequestState:
+        """Pre-processing's model half for decoded inputs (prompt and VAE encode, noise)."""
+        t0 = time.perf_counter()
+        uid, inputs, extras = inputs_from_parts(tensors, meta)
+        state = self.pipe.encode_inputs(inputs)
+        state.uid = uid
+        state.extras.update(extras, encode_ms=1e3 * (time.perf_counter() - t0))
+        return state
 
     def handle_inline(self, msg: Message) -> None:
         """naive-continuous: pre-processing here, between steps."""
@@ -164,6 +181,7 @@ class Loop:
     # ---- retire ---------------------------------------------------------------------------------
     def retire(self, retired: list[Retired]) -> None:
         now = time.time()
+        finished: list[tuple[RequestState, float]] = []  # (state, denoise_ms) -> post
         for r in retired:
             s = r.state
             joined = self.joined_at.pop(s.uid, None)
@@ -180,7 +198,9 @@ class Loop:
             elif self.inline is not None:
                 self.finish_inline(s, pre_ms, denoise_ms)
             else:
-                self.send_finished(s, denoise_ms)
+                finished.append((s, denoise_ms))
+        if finished:
+            self.send_finished(finished)
 
         if retired and self.drops:
             for key in list(self.drops):
@@ -217,14 +237,37 @@ class Loop:
         except EntryInUse:  # another worker of the host reads it: retried on the next retire
             self.drops.add(key)
 
-    def send_finished(self, state: RequestState, denoise_ms: float) -> None:
-        tensors, meta = to_parts(state, for_post=True)
-        bundle = pack(tensors, self.rt.shm_prefix)
+    def send_finished(self, finished: list[tuple[RequestState, float]]) -> None:
+        """To post-processing; with model_stages="loop" VAE-decoded here first, in one batch
+        (one request whose decode fails fails alone)."""
+        images: list[Image.Image | None] = [None] * len(finished)
+        if self.decode_here:
+            t0 = time.perf_counter()
+            try:
+                images = list(self.pipe.decode_latents([s for s, _ in finished]))
+            except Exception:
+                images = [self._decode_one(s) for s, _ in finished]
+            ms = 1e3 * (time.perf_counter() - t0) / len(finished)
+        for (state, denoise_ms), img in zip(finished, images, strict=True):
+            if self.decode_here and img is None:
+                continue  # failed alone (_decode_one answered)
+            if img is not None:
+                state.extras["decode_ms"] = ms
+            tensors, meta = to_parts(state, for_post=True, decoded=img)
+            bundle = pack(tensors, self.rt.shm_prefix)
+            try:
+                msg = Finished(uid=state.uid, latents=bundle, meta=meta, denoise_ms=denoise_ms)
+                self.rt.send(msg)
+            except BaseException:
+                release(bundle)
+                raise
+
+    def _decode_one(self, state: RequestState) -> Image.Image | None:
         try:
-            self.rt.send(Finished(uid=state.uid, latents=bundle, meta=meta, denoise_ms=denoise_ms))
-        except BaseException:
-            release(bundle)
-            raise
+            return self.pipe.decode_latents([state])[0]
+        except Exception as e:
+            self.rt.send(failure(state.uid, e))
+            return None
 
     def finish_inline(self, state: RequestState, pre_ms: float, denoise_ms: float) -> None:
         assert self.inline is not None
@@ -255,7 +298,8 @@ class Loop:
 
 def run(rt: ChildRuntime) -> None:
     inline = get_policy(rt.wcfg.policy).inline_stages
-    pipe = rt.pipeline("all" if inline else "backbone", rt.config.model.device)
+    stages_here = inline or rt.wcfg.model_stages == "loop"
+    pipe = rt.pipeline("all" if stages_here else "backbone", rt.config.model.device)
     if not inline:
         forbid_codec_in_this_process()
     loop = Loop(rt, pipe, Stages(pipe) if inline else None)

@@ -4,6 +4,8 @@ Used by the pre/post processes and, under `naive-continuous`, inline by the loop
 Pre: SubmitEdit -> validated, prepared RequestState (image decode, resize, prompt and VAE
 encode, noise); RegisterTemplate -> a registered template; BuildTemplate -> the template's capture
 run. Post: a finished RequestState -> EditDone (VAE decode, resize back, paste-back, encode).
+With model_stages="loop" the pre/post processes do only the CPU halves (`decode`,
+`build_inputs`, `finish(decoded=...)`) and the loop runs the model halves.
 
 Template ids: clients name a template by `template_id` (64 hex); the pipeline keys it by a hash of
 the model, scheduler, image and capture spec. Each pre process maps one to the other; the loop
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import time
 
+from PIL import Image
+
 from instgenie import faults
-from instgenie.engine.pipeline import EditPipeline
+from instgenie.engine.pipeline import DecodedInputs, EditPipeline
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.templates import TemplateSpec
 from instgenie.errors import InstGenIEError, ValidationError
@@ -76,16 +80,24 @@ class Stages:
             self.pipe.templates.pop(key, None)
         return key
 
-    def build(self, template_id: str) -> RequestState:
-        """The capture run of a registered template (extras: capture_key, template_id)."""
+    def _key(self, template_id: str) -> str:
         key = self.keys.get(template_id)
         if key is None:
             why = self.rejected.get(template_id, "it was never registered")
             raise ValidationError("template_id", f"template {template_id} is unusable: {why}")
-        state = self.pipe.prepare_capture(key)
+        return key
+
+    def build(self, template_id: str) -> RequestState:
+        """The capture run of a registered template (extras: capture_key, template_id)."""
+        state = self.pipe.prepare_capture(self._key(template_id))
         state.uid = capture_uid(template_id)
         state.extras["template_id"] = template_id
         return state
+
+    def build_inputs(self, template_id: str) -> tuple[DecodedInputs, dict]:
+        """The decoded inputs of a capture run and its extras (model_stages="loop")."""
+        key = self._key(template_id)
+        return self.pipe.capture_inputs(key), {"capture_key": key, "template_id": template_id}
 
     def edit_request(self, msg: SubmitEdit) -> EditRequest:
         template = msg.template_id
@@ -108,18 +120,26 @@ class Stages:
     def prepare(self, msg: SubmitEdit) -> RequestState:
         """Validate and prepare an edit (no path selection: the loop does it against its store).
         Raises ValidationError for bad input."""
+        return self.pipe.encode_inputs(self.decode(msg))
+
+    def decode(self, msg: SubmitEdit) -> DecodedInputs:
+        """Validate, decode and resize an edit's inputs (no model work)."""
         faults.check("pre", msg.prompt)
-        state = self.pipe.preprocess(self.edit_request(msg), select_path=False)
+        inputs = self.pipe.decode_inputs(self.edit_request(msg))
         if msg.template_id is not None:
-            self.pipe.prefetch(state.request.template_id)  # disk -> DRAM while it queues
-        return state
+            self.pipe.prefetch(inputs.request.template_id)  # disk -> DRAM while it queues
+        return inputs
 
     # ---- post -----------------------------------------------------------------------------------
-    def finish(self, state: RequestState) -> EditDone:
-        """Decode, restore size, paste back and encode a finished request."""
+    def finish(self, state: RequestState, decoded: Image.Image | None = None) -> EditDone:
+        """Decode (unless `decoded` is its VAE output already), restore size, paste back and
+        encode a finished request."""
         t0 = time.perf_counter()
         faults.check("post", state.request.prompt)
-        result = self.pipe.postprocess([state])[0]
+        if decoded is None:
+            result = self.pipe.postprocess([state])[0]
+        else:
+            result = self.pipe.finish(state, decoded)
         width, height = result.image.size
         return EditDone(
             uid=state.uid, data=result.data, output_format=result.output_format,

@@ -120,8 +120,9 @@ class Flight:  # one accepted request
     stage: str = "queued"  # "queued" | "pre" | "loop" | "post"
     holder: Child | None = None
     bundle: TensorBundle | None = None  # forwarded by us to `holder`
-    preprocess_ms: float = 0.0
+    preprocess_ms: float = 0.0  # pre process (+ the loop's encode, model_stages="loop")
     denoise_ms: float = 0.0
+    decode_ms: float = 0.0  # the loop's VAE decode (model_stages="loop")
 
 
 @dataclass
@@ -367,11 +368,12 @@ class Supervisor:
             self._drop_backlog(flight.uid)
         if isinstance(msg, EditDone):
             total = 1e3 * (time.monotonic() - flight.accepted_at)
-            busy = flight.preprocess_ms + flight.denoise_ms + msg.postprocess_ms
+            post = msg.postprocess_ms + flight.decode_ms
+            busy = flight.preprocess_ms + flight.denoise_ms + post
             pre = msg.preprocess_ms or flight.preprocess_ms  # inline (naive) runs report their own
             msg = dataclasses.replace(
                 msg, preprocess_ms=pre, denoise_ms=msg.denoise_ms or flight.denoise_ms,
-                total_ms=total, queue_ms=max(0.0, total - busy),
+                postprocess_ms=post, total_ms=total, queue_ms=max(0.0, total - busy),
             )  # fmt: skip
             self.counters["requests_done"] += 1
             self.latency.append((total, msg.queue_ms))
@@ -468,6 +470,9 @@ class Supervisor:
             flight.holder.holding.discard(msg.uid)
         flight.stage, flight.holder, flight.bundle = "post", None, msg.latents
         flight.denoise_ms = msg.denoise_ms
+        extras = msg.meta.get("extras", {})  # model_stages="loop": the loop's encode/decode
+        flight.preprocess_ms += float(extras.get("encode_ms", 0.0))
+        flight.decode_ms = float(extras.get("decode_ms", 0.0))
         self.to_post.append(msg)
 
     def template_done(

@@ -28,6 +28,7 @@ META_PARTS: dict[str, frozenset[str]] = {
     "all": frozenset(),
     "backbone": frozenset({"text", "vae"}),
     "stages": frozenset({"backbone"}),
+    "none": frozenset({"text", "vae", "backbone"}),  # image codec only: configs, no weights
 }
 
 
