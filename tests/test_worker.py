@@ -329,7 +329,12 @@ def test_naive_continuous_runs_stages_in_the_loop() -> None:
         s = c.stats()
         assert "pid_pre_0" not in s and s["codec_loop_0"] == 1.0
         fields = _fields("nv", 4, seed=7, prompt="a straw hat")
-        assert c.run_edit(**fields).data == _direct(fields)
+        done = c.run_edit(**fields)
+        assert done.data == _direct(fields)
+        # the loop reports its own stage times; queue = what is left of the total
+        assert done.preprocess_ms > 0 and done.denoise_ms > 0 and done.postprocess_ms > 0
+        busy = done.preprocess_ms + done.denoise_ms + done.postprocess_ms
+        assert done.queue_ms == pytest.approx(max(0.0, done.total_ms - busy), abs=1e-6)
         a = c.edit(**_fields("nv-a", 20, seed=1))
         _wait_progress(a, 2)
         b = c.edit(**_fields("nv-b", 3, seed=2))

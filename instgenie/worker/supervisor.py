@@ -368,12 +368,13 @@ class Supervisor:
             self._drop_backlog(flight.uid)
         if isinstance(msg, EditDone):
             total = 1e3 * (time.monotonic() - flight.accepted_at)
+            # inline (naive) runs report their own pre and denoise times in EditDone
+            pre = msg.preprocess_ms or flight.preprocess_ms
+            denoise = msg.denoise_ms or flight.denoise_ms
             post = msg.postprocess_ms + flight.decode_ms
-            busy = flight.preprocess_ms + flight.denoise_ms + post
-            pre = msg.preprocess_ms or flight.preprocess_ms  # inline (naive) runs report their own
             msg = dataclasses.replace(
-                msg, preprocess_ms=pre, denoise_ms=msg.denoise_ms or flight.denoise_ms,
-                postprocess_ms=post, total_ms=total, queue_ms=max(0.0, total - busy),
+                msg, preprocess_ms=pre, denoise_ms=denoise, postprocess_ms=post, total_ms=total,
+                queue_ms=max(0.0, total - pre - denoise - post),
             )  # fmt: skip
             self.counters["requests_done"] += 1
             self.latency.append((total, msg.queue_ms))
