@@ -311,6 +311,8 @@ class EditDone(WorkerToClient):  # the result (post); times: worker wall clock, 
     num_steps: int  # denoise steps run
     path: str  # "masked" (template cache used) | "full"
     cache: str | None = None  # "hit" (template cache read) | "miss" | None (no template)
+    cache_tier: str | None = None  # on a hit, where the cache was read from when the edit joined:
+    # "gpu" | "cpu" (the loop's device store) | "dram" | "disk" (host store); None otherwise
     queue_ms: float = 0.0  # waiting: total_ms minus the three stage times below
     preprocess_ms: float = 0.0  # pre-process wall time (decode, validate, prompt + VAE encode)
     denoise_ms: float = 0.0  # joined the batch -> left it
@@ -384,6 +386,10 @@ class Heartbeat(Internal):  # liveness and progress (pre/loop/post -> sup)
 @dataclass(slots=True, frozen=True, kw_only=True)
 class LoopSteps(Internal):  # step log entries since the last LoopSteps (loop -> sup)
     entries: list[StepEntry]  # oldest first
+    #: the loop's activation-cache counters (TieredStore.stats: evictions_dram, bytes_disk, ...),
+    #: sent at most once a second or after the loop added/deleted an entry, else empty; always
+    #: empty without a host cache
+    cache: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

@@ -61,6 +61,7 @@ EXAMPLES: list[m.Message] = [
     m.Finished(uid="u1", latents=BUNDLE, meta={}, denoise_ms=250.0),
     m.Heartbeat(pid=99, loop_iterations=12345, in_flight=["u1", "u2"], time=123.25),
     m.LoopSteps(entries=[STEP]),
+    m.LoopSteps(entries=[], cache={"evictions_dram": 2.0, "bytes_disk": 1e9}),
     m.ChildReady(role="loop", index=0, pid=4321, codec=False),
     m.BuildTemplate(template_id="ef" * 32),
     m.Abort(uid="u1", reason="cancelled"),

@@ -4,6 +4,7 @@ direct pipeline, and recovery from a killed, frozen or stalled denoise loop with
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import signal
@@ -28,7 +29,7 @@ from instgenie.messages import (
     WorkerToClient,
 )
 from instgenie.tensorshm import SHM_DIR
-from instgenie.worker.client import EditHandle, WorkerError, start_worker
+from instgenie.worker.client import EditHandle, WorkerError, WorkerHandle, start_worker
 from instgenie.worker.stages import capture_uid
 from instgenie.worker.supervisor import shm_base
 from tests.conftest import make_image, make_mask, png_bytes, tiny_pipeline
@@ -163,7 +164,8 @@ def test_template_edit_is_masked_and_exact(cont) -> None:
     assert handle.client.stats()["templates_ready"] >= 1
     fields = _fields("tmpl", 4, seed=9, template_id=tid, image=None)
     done = handle.client.run_edit(**fields)
-    assert (done.path, done.cache) == ("masked", "hit")
+    assert (done.path, done.cache, done.cache_tier) == ("masked", "hit", "cpu")
+    assert handle.client.stats()["cache_hits_cpu"] >= 1
     pipe = tiny_pipeline(MODEL)
     key = pipe.build_template(TemplateSpec(**spec))
     ref = pipe.run([EditRequest(**{**fields, "template_id": key, "image": None})])[0]
@@ -172,6 +174,29 @@ def test_template_edit_is_masked_and_exact(cont) -> None:
     with pytest.raises(WorkerError) as e:
         handle.client.run_edit(**_fields("nope", 2, template_id="cd" * 32, image=None))
     assert e.value.code == "invalid_request" and "no template" in e.value.reason
+
+
+def test_host_cache_tier_is_reported(tmp_path: Path) -> None:
+    """With cache_root the template lives in the host DRAM tier: edits say so, and the worker's
+    stats carry the host cache's bytes and the bytes its steps loaded."""
+    with _worker(_config(cache_root=str(tmp_path / "cache"))) as (handle, _):
+        c = handle.client
+        tid = "9a" * 32
+        spec = dict(image=png_bytes(make_image(SIZE, SIZE, seed=6)), prompt="", seed=2,
+                    num_inference_steps=2)  # fmt: skip
+        ready = c.register_template(RegisterTemplate(template_id=tid, **spec))
+        assert list(ready.bytes_by_tier) == ["dram"] and ready.bytes_by_tier["dram"] > 0
+        done = c.run_edit(**_fields("host", 2, template_id=tid, image=None))
+        assert (done.path, done.cache, done.cache_tier) == ("masked", "hit", "dram")
+        s = c.stats()
+        # on a CUDA device the steps copy cached rows from DRAM; on the CPU they are read in place
+        assert s["cache_hits_dram"] == 1 and s["cache_bytes_loaded_dram"] == 0
+        assert s["cache_bytes_dram"] >= ready.bytes_by_tier["dram"]
+        assert s["cache_evictions_dram"] == 0
+    # the host tier outlives its workers by design; remove this test's segments
+    namespace = hashlib.sha256(str((tmp_path / "cache").resolve()).encode()).hexdigest()[:12]
+    for seg in SHM_DIR.glob(f"igc_{namespace}_*"):
+        seg.unlink()
 
 
 def test_dropped_template_is_forgotten_and_can_come_back(cont) -> None:
@@ -433,5 +458,26 @@ def test_supervisor_death_takes_children_and_fails_clients() -> None:
             time.sleep(0.05)
         assert not [p for p in children if _alive(p)]  # PR_SET_PDEATHSIG
         assert _shm_segments(handle.pid) == []  # the handle cleaned up after it
+    finally:
+        handle.close(drain=False)
+
+
+def test_supervisor_killed_while_children_import_leaves_no_orphans() -> None:
+    """The parent-death signal is armed before the children's heavy imports (worker.lifeline),
+    so children that are still starting die with their supervisor too."""
+    handle = WorkerHandle(_config())
+    try:
+        deadline = time.monotonic() + 60
+        children: list[int] = []
+        while len(children) < 3:  # loop, pre, post spawned; none has finished importing torch
+            assert time.monotonic() < deadline, "the supervisor never spawned its children"
+            path = Path(f"/proc/{handle.pid}/task/{handle.pid}/children")
+            children = [int(p) for p in path.read_text().split()] if path.exists() else []
+            time.sleep(0.01)
+        os.kill(handle.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(map(_alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in children if _alive(p)], "children outlived their supervisor"
     finally:
         handle.close(drain=False)

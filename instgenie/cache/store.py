@@ -60,6 +60,15 @@ class TemplateHandle(Protocol):
     def close(self) -> None: ...
 
 
+def tier_of(store: object, key: str) -> str:
+    """Where `store` holds entry `key` now: "dram" | "disk" (host store) or its device's
+    "gpu" | "cpu" (InMemoryStore)."""
+    if hasattr(store, "tier"):
+        return store.tier(key)
+    device = store.device.type  # type: ignore[attr-defined]
+    return "gpu" if device == "cuda" else device
+
+
 class ActivationStore(Protocol):
     def status(self, key: str) -> str:
         """ "ready", "building" or "absent"."""

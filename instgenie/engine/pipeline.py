@@ -20,7 +20,7 @@ from PIL import Image
 from instgenie.cache.costmodel import StepCostModel
 from instgenie.cache.disk import CacheMiss
 from instgenie.cache.profiler import Profile
-from instgenie.cache.store import ActivationStore, InMemoryStore, TemplateMeta
+from instgenie.cache.store import ActivationStore, InMemoryStore, TemplateMeta, tier_of
 from instgenie.config import LimitsConfig
 from instgenie.engine.family import ModelFamily, load_family
 from instgenie.engine.imageio import (
@@ -53,6 +53,8 @@ class EditResult:
     path: str
     #: "hit" (read a template cache), "miss" (template given, cache not usable), None (no template)
     cache: str | None
+    #: on a hit: the tier the cache was read from (cache.store.tier_of), else None
+    cache_tier: str | None = None
 
 
 @dataclass
@@ -292,6 +294,7 @@ class EditPipeline:
             or any(L not in masks for L, _ in meta.block_shapes.values())
         ):
             return
+        tier = tier_of(self.store, key)  # before open: which tier served it (open may promote)
         try:
             handle = self.store.open(key)
         except CacheMiss:  # evicted, or a corrupt/missing disk entry: recompute in full
@@ -300,7 +303,7 @@ class EditPipeline:
         state.cache_handle = handle
         state.token_index = {L: m.nonzero().squeeze(1) for L, m in masks.items()}
         state.edit_mask = self.family.edit_mask(masks, state)
-        state.extras["cache"] = "hit"
+        state.extras["cache"], state.extras["cache_tier"] = "hit", tier
 
     # ---- denoise -------------------------------------------------------------------------------
     def denoise_step(self, batch: Sequence[RequestState]) -> None:
@@ -351,6 +354,7 @@ class EditPipeline:
             num_steps=state.num_steps,
             path=state.path,
             cache=state.extras.get("cache"),
+            cache_tier=state.extras.get("cache_tier"),
         )
 
     # ---- convenience ---------------------------------------------------------------------------

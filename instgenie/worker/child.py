@@ -1,6 +1,6 @@
 """The runtime every pre/loop/post process shares, and their entry point.
 
-    python -m instgenie.worker.child '<json spec>'
+    python -m instgenie.worker.lifeline child '<json spec>'
 
 spec = {"role": "pre"|"loop"|"post", "index": int, "inbox": addr, "outbox": addr,
         "shm_base": str, "config": Config as to_dict}. The supervisor binds `inbox` (a PUSH per
@@ -18,7 +18,6 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -50,16 +49,6 @@ log = logging.getLogger("instgenie.worker")
 
 ROLES = ("pre", "loop", "post")
 SEND_TIMEOUT_MS = 30_000  # a supervisor that takes no message for this long is gone
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent exits (Linux; no-op elsewhere)."""
-    if sys.platform != "linux":
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 class ChildRuntime:
@@ -195,8 +184,7 @@ def make_store(config: Config):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    die_with_parent()
-    spec = json.loads(argv[0])
+    spec = json.loads(argv[0])  # PR_SET_PDEATHSIG is armed by worker.lifeline, before imports
     if spec.get("role") not in ROLES:
         raise SystemExit(f"unknown role {spec.get('role')!r}; expected one of {ROLES}")
     setup_process(f"{spec['role']}{spec['index']}")

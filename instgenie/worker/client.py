@@ -1,7 +1,9 @@
 """A small in-process client of one worker (tests, the load tester, the API server's dispatcher).
 
 `WorkerClient(address)` talks to a running worker; `start_worker(config)` also starts one as a
-subprocess (`python -m instgenie.worker.supervisor`) and returns a `WorkerHandle`.
+subprocess (`python -m instgenie.worker.lifeline supervisor`) and returns a `WorkerHandle`.
+The worker dies with the *thread* that started it (PR_SET_PDEATHSIG, see worker.lifeline): start
+workers from a thread that lives as long as they should.
 
 Threads: one background thread owns the ZMQ socket (sockets are single-threaded); callers on any
 thread queue messages to it and wait on futures. Replies are matched by request uid (edits), by
@@ -51,8 +53,7 @@ from instgenie.messages import (
     TemplateReady,
     WorkerToClient,
 )
-from instgenie.tensorshm import cleanup
-from instgenie.worker.supervisor import shm_base
+from instgenie.worker.names import shm_base
 
 
 class WorkerError(InstGenIEError):
@@ -278,11 +279,12 @@ class WorkerHandle:
 
     def __init__(self, config: Config, address: str | None = None) -> None:
         self.address = address or ipc_address("worker")
-        spec = {"address": self.address, "config": to_dict(config), "die_with_parent": True}
+        spec = {"address": self.address, "config": to_dict(config), "die_with_parent": True,
+                "parent": os.getpid()}  # fmt: skip
         env = dict(os.environ)
         root = str(Path(instgenie.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "instgenie.worker.supervisor", json.dumps(spec)]
+        cmd = [sys.executable, "-m", "instgenie.worker.lifeline", "supervisor", json.dumps(spec)]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         self.client = WorkerClient(self.address)
         self._watch = threading.Thread(target=self._watch_exit, daemon=True)
@@ -294,6 +296,8 @@ class WorkerHandle:
 
     def _watch_exit(self) -> None:
         rc = self.proc.wait()
+        from instgenie.tensorshm import cleanup  # (torch: not at import time of the API process)
+
         cleanup(shm_base(self.proc.pid))  # segments of children it could not clean up itself
         self.client.fail_all("worker_died", f"the worker supervisor exited with status {rc}")
 

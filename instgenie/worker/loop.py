@@ -25,6 +25,7 @@ from PIL import Image
 
 from instgenie import faults
 from instgenie.cache.index import EntryInUse
+from instgenie.cache.store import tier_of
 from instgenie.engine.imageio import forbid_codec_in_this_process
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import RequestState
@@ -66,6 +67,8 @@ class Loop:
         self.joined_at: dict[str, float] = {}  # uid -> unix time of its first step
         self.pre_ms: dict[str, float] = {}  # uid -> inline pre-processing ms (naive only)
         self.reported = 0  # step records sent to the supervisor
+        self.cache_read_at = 0.0  # monotonic time the host cache's counters were last read
+        self.cache_changed = False  # an entry was added or deleted since
         self.stop: StopProcess | None = None
         #: model_stages="loop": VAE decode here (post-processing then needs no model)
         self.decode_here = inline is None and rt.wcfg.model_stages == "loop"
@@ -211,10 +214,9 @@ class Loop:
         """TemplateReady for a capture (why == "": ok) with the cache's bytes per tier."""
         tiers = {}
         if not why:
-            store = self.pipe.store
-            tier = store.tier(key) if hasattr(store, "tier") else store.device.type
-            tiers = {"gpu" if tier == "cuda" else tier: store.meta(key).nbytes}
+            tiers = {tier_of(self.pipe.store, key): self.pipe.store.meta(key).nbytes}
         msg = TemplateReady(template_id=template_id, ok=not why, message=why, bytes_by_tier=tiers)
+        self.cache_changed = True
         self.rt.send(msg)
 
     def drop_template(self, template_id: str) -> None:
@@ -234,6 +236,7 @@ class Loop:
         try:
             self.pipe.store.delete(key)
             self.drops.discard(key)
+            self.cache_changed = True
         except EntryInUse:  # another worker of the host reads it: retried on the next retire
             self.drops.add(key)
 
@@ -292,8 +295,18 @@ class Loop:
                 for uid in rec.joined:
                     self.joined_at.setdefault(uid, rec.t_start)
             entries = [StepEntry(**dataclasses.asdict(rec)) for rec in records]
-            self.rt.send(LoopSteps(entries=entries))
+            self.rt.send(LoopSteps(entries=entries, cache=self._cache_counters()))
             self.reported = self.batcher.steps
+
+    def _cache_counters(self) -> dict[str, float]:
+        """The host cache's counters, at most once a second (reading them takes the host lock),
+        or at once after this loop added or deleted an entry."""
+        tiered = getattr(self.pipe.store, "tiered", None)
+        now = time.monotonic()
+        if tiered is None or (now - self.cache_read_at < 1.0 and not self.cache_changed):
+            return {}
+        self.cache_read_at, self.cache_changed = now, False
+        return {k: float(v) for k, v in tiered.stats().items() if isinstance(v, (int, float))}
 
 
 def run(rt: ChildRuntime) -> None:

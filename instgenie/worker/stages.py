@@ -24,14 +24,7 @@ from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.templates import TemplateSpec
 from instgenie.errors import InstGenIEError, ValidationError
 from instgenie.messages import EditDone, EditFailed, RegisterTemplate, SubmitEdit
-
-#: uid of a template's capture run (never a client uid: clients' uids have no ':' prefix rule,
-#: but the supervisor tracks captures separately and never forwards their progress)
-CAPTURE_PREFIX = "template:"
-
-
-def capture_uid(template_id: str) -> str:
-    return CAPTURE_PREFIX + template_id
+from instgenie.worker.names import CAPTURE_PREFIX, capture_uid  # noqa: F401 (re-exported)
 
 
 def failure(uid: str, exc: BaseException) -> EditFailed:
@@ -145,5 +138,6 @@ class Stages:
             uid=state.uid, data=result.data, output_format=result.output_format,
             width=width, height=height, mask_ratio=result.mask_ratio,
             num_steps=result.num_steps, path=result.path, cache=result.cache,
+            cache_tier=result.cache_tier,
             postprocess_ms=1e3 * (time.perf_counter() - t0),
         )  # fmt: skip

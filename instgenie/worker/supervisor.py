@@ -72,9 +72,8 @@ from instgenie.messages import (
     WorkerReady,
 )
 from instgenie.tensorshm import cleanup, process_prefix, release
-from instgenie.worker.child import die_with_parent
+from instgenie.worker.names import CAPTURE_PREFIX, capture_uid, shm_base
 from instgenie.worker.policies import get_policy
-from instgenie.worker.stages import CAPTURE_PREFIX, capture_uid
 
 log = logging.getLogger("instgenie.worker")
 
@@ -145,11 +144,6 @@ class Template:
                              bytes_by_tier=self.bytes_by_tier)  # fmt: skip
 
 
-def shm_base(supervisor_pid: int) -> str:
-    """The shm prefix of every segment a worker's processes create (tensorshm.process_prefix)."""
-    return f"igw{supervisor_pid}"
-
-
 class Supervisor:
     def __init__(
         self,
@@ -194,6 +188,8 @@ class Supervisor:
             0,
         )
         self.latency: deque[tuple[float, float]] = deque(maxlen=2048)  # (total_ms, queue_ms)
+        self.bytes_loaded = 0  # cached activations copied in by denoise steps, bytes
+        self.cache_stats: dict[str, float] = {}  # the loop's host-cache counters (LoopSteps)
 
     # ---- main loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -377,6 +373,9 @@ class Supervisor:
                 queue_ms=max(0.0, total - pre - denoise - post),
             )  # fmt: skip
             self.counters["requests_done"] += 1
+            if msg.cache_tier is not None:
+                key = f"cache_hits_{msg.cache_tier}"
+                self.counters[key] = self.counters.get(key, 0) + 1
             self.latency.append((total, msg.queue_ms))
         elif msg.code != "cancelled":
             self.counters["requests_failed"] += 1
@@ -417,6 +416,8 @@ class Supervisor:
         elif isinstance(msg, LoopSteps):
             for e in msg.entries:
                 self.steps.append(dataclasses.replace(e, step=e.step + self.step_offset))
+                self.bytes_loaded += e.bytes_loaded
+            self.cache_stats.update(msg.cache)
             if msg.entries:
                 self.loop_steps = msg.entries[-1].step + 1
 
@@ -570,11 +571,12 @@ class Supervisor:
         spec = {
             "role": c.role, "index": c.index, "inbox": c.inbox.address,
             "outbox": self.inbox.address, "shm_base": self.shm_base, "config": to_dict(self.config),
+            "parent": os.getpid(),
         }  # fmt: skip
         env = dict(os.environ)
         root = str(Path(instgenie.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "instgenie.worker.child", json.dumps(spec)]
+        cmd = [sys.executable, "-m", "instgenie.worker.lifeline", "child", json.dumps(spec)]
         c.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         c.started_at = c.last_beat = c.progress_at = time.monotonic()
         c.ready, c.last_iterations = False, -1
@@ -654,6 +656,11 @@ class Supervisor:
             out[f"pid_{c.role}_{c.index}"] = float(c.pid)
             out[f"restarts_{c.role}_{c.index}"] = float(c.restarts)
             out[f"codec_{c.role}_{c.index}"] = float(c.codec)
+        if self.w.cache_root:  # block loads come from the host DRAM tier
+            out["cache_bytes_loaded_dram"] = float(self.bytes_loaded)
+        for k in ("evictions_dram", "evictions_disk", "bytes_dram", "bytes_disk", "corrupt"):
+            if k in self.cache_stats:
+                out[f"cache_{k}"] = self.cache_stats[k]
         if self.steps:
             out["batch_size_last"] = float(len(self.steps[-1].members))
         if self.latency:
@@ -665,10 +672,9 @@ class Supervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m instgenie.worker.supervisor '<json>': {"address", "config", "die_with_parent"}."""
+    """python -m instgenie.worker.lifeline supervisor '<json>': {"address", "config",
+    "die_with_parent", "parent"} (lifeline arms the parent-death signal before the imports)."""
     spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
-    if spec.get("die_with_parent"):
-        die_with_parent()
     setup_process("sup")
     sup = Supervisor(from_dict(Config, spec["config"]), spec["address"])
     return sup.run()
