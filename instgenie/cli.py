@@ -1,4 +1,4 @@
-"""Command line: `instgenie edit ...` (and later serve / worker / profile / bench-step)."""
+"""Command line: `instgenie edit | bench-step | profile | worker | serve | client`."""
 
 from __future__ import annotations
 
@@ -238,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(worker, LimitsConfig)
     add_dataclass_args(worker, WorkerConfig)
     worker.set_defaults(func=cmd_worker)
+
+    from instgenie.server.commands import add_commands  # serve, client (light imports)
+
+    add_commands(sub)
     return parser
 
 

@@ -1,0 +1,200 @@
+"""`instgenie client ...`: talk to a running server from the command line (stdlib HTTP only).
+
+    instgenie client edit --prompt "a red silk shirt" -o out/edit.png      # bundled sample
+    instgenie client template --image in.png --prompt "a person" --wait
+    instgenie client edit --template-id <id> --mask mask.png --prompt "..." -o out.webp
+    instgenie client health
+Exit status: 0 ok, 2 the server refused the request (4xx), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import secrets
+import sys
+import time
+import urllib.error
+import urllib.request
+from importlib import resources
+from pathlib import Path
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+
+
+class ClientError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def encode_multipart(fields: dict[str, str], files: dict[str, tuple[str, bytes]]):
+    """(body, content type) of a multipart/form-data body."""
+    boundary = "instgenie-" + secrets.token_hex(16)
+    out = bytearray()
+    for name, value in fields.items():
+        out += (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'
+        ).encode()
+    for name, (filename, data) in files.items():
+        out += (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; '
+            f'filename="{filename}"\r\nContent-Type: application/octet-stream\r\n\r\n'
+        ).encode()
+        out += data + b"\r\n"
+    out += f"--{boundary}--\r\n".encode()
+    return bytes(out), f"multipart/form-data; boundary={boundary}"
+
+
+def call(
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    content_type: str | None = None,
+    timeout: float = 900.0,
+) -> dict:
+    req = urllib.request.Request(url, data=body, method=method)
+    if content_type:
+        req.add_header("Content-Type", content_type)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            err = json.loads(raw)["error"]
+            message = f"{err.get('code')}: {err.get('message')}"
+        except (ValueError, KeyError, TypeError):
+            message = raw[:500].decode(errors="replace")
+        raise ClientError(exc.code, message) from None
+
+
+def _read(path: str | None, sample: str) -> tuple[str, bytes]:
+    if path is None:
+        return sample, resources.files("instgenie").joinpath("assets", sample).read_bytes()
+    return Path(path).name, Path(path).read_bytes()
+
+
+def wait_ready(server: str, wait_s: float) -> None:
+    """Poll GET /ready until it answers 200 (a server still starting refuses connections)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            call("GET", server.rstrip("/") + "/ready", timeout=5)
+            return
+        except (ClientError, OSError):
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
+
+
+def cmd_edit(args: argparse.Namespace) -> int:
+    fields = {
+        "prompt": args.prompt,
+        "seed": str(args.seed),
+        "output_format": args.format or (Path(args.output).suffix.lstrip(".").lower() or "png"),
+    }
+    fields["output_format"] = {"jpg": "jpeg"}.get(fields["output_format"], fields["output_format"])
+    if args.steps is not None:
+        fields["num_inference_steps"] = str(args.steps)
+    if args.guidance is not None:
+        fields["guidance_scale"] = str(args.guidance)
+    if args.negative_prompt is not None:
+        fields["negative_prompt"] = args.negative_prompt
+    files = {"mask": _read(args.mask, "sample_mask.png")}
+    if args.template_id:
+        fields["template_id"] = args.template_id
+    else:
+        files["image"] = _read(args.image, "sample.png")
+    body, ctype = encode_multipart(fields, files)
+    result = call("POST", args.server.rstrip("/") + "/v1/edits", body, ctype)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(base64.b64decode(result.pop("image")))
+    print(json.dumps({"output": str(out), **result}))
+    return 0
+
+
+def cmd_template(args: argparse.Namespace) -> int:
+    fields = {"prompt": args.prompt, "seed": str(args.seed)}
+    if args.steps is not None:
+        fields["num_inference_steps"] = str(args.steps)
+    files = {"image": _read(args.image, "sample.png")}
+    if args.mask:
+        files["mask"] = _read(args.mask, "sample_mask.png")
+    body, ctype = encode_multipart(fields, files)
+    base = args.server.rstrip("/")
+    result = call("POST", base + "/v1/templates", body, ctype)
+    deadline = time.monotonic() + args.timeout
+    while args.wait and result["status"] == "building" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        result = call("GET", f"{base}/v1/templates/{result['id']}")
+    print(json.dumps(result))
+    return 0 if result["status"] != "failed" else 1
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    print(json.dumps(call("GET", args.server.rstrip("/") + "/health")))
+    return 0
+
+
+def add_client_parser(sub) -> None:
+    client = sub.add_parser("client", help="send requests to a running `instgenie serve`")
+    csub = client.add_subparsers(dest="client_command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--server", default=DEFAULT_SERVER, help=f"default {DEFAULT_SERVER}")
+        p.add_argument(
+            "--wait-ready-s",
+            type=float,
+            default=0.0,
+            help="first wait up to this long, seconds, for the server to be ready",
+        )
+
+    edit = csub.add_parser("edit", help="edit an image (or a registered template) under a mask")
+    common(edit)
+    edit.add_argument("--image", help="image file; default: the bundled sample")
+    edit.add_argument("--template-id", help="edit this registered template instead of --image")
+    edit.add_argument("--mask", help="mask file, white = edit; default: the sample's mask")
+    edit.add_argument("--prompt", required=True)
+    edit.add_argument("--negative-prompt", default=None)
+    edit.add_argument("--seed", type=int, default=0)
+    edit.add_argument("--steps", type=int, default=None)
+    edit.add_argument("--guidance", type=float, default=None)
+    edit.add_argument(
+        "--format",
+        choices=["png", "jpeg", "webp"],
+        default=None,
+        help="default: from the output file's suffix",
+    )
+    edit.add_argument("-o", "--output", required=True)
+    edit.set_defaults(func=run_client, client_func=cmd_edit)
+
+    tmpl = csub.add_parser("template", help="register a template (its cache builds on the server)")
+    common(tmpl)
+    tmpl.add_argument("--image", help="template image; default: the bundled sample")
+    tmpl.add_argument("--mask", help="optional mask of the region edits will change")
+    tmpl.add_argument("--prompt", default="")
+    tmpl.add_argument("--seed", type=int, default=0)
+    tmpl.add_argument("--steps", type=int, default=None)
+    tmpl.add_argument("--wait", action="store_true", help="poll until ready or failed")
+    tmpl.add_argument("--timeout", type=float, default=900.0, help="--wait limit, seconds")
+    tmpl.set_defaults(func=run_client, client_func=cmd_template)
+
+    health = csub.add_parser("health", help="print the server's /health")
+    common(health)
+    health.set_defaults(func=run_client, client_func=cmd_health)
+
+
+def run_client(args: argparse.Namespace) -> int:
+    try:
+        if args.wait_ready_s > 0:
+            wait_ready(args.server, args.wait_ready_s)
+        return args.client_func(args)
+    except ClientError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if 400 <= exc.status < 500 else 1
+    except (OSError, ValueError) as exc:  # connection refused, unreadable file, bad JSON
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,73 @@
+"""Configuration of the API + scheduler process (`instgenie serve`).
+
+Frozen, like the rest of the config tree in instgenie/config.py; `instgenie serve` builds its flags
+from these fields (add_dataclass_args), with the comment above each field as its help text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROUTING_POLICIES = ("least-loaded", "round-robin")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    #: interface the HTTP server binds; loopback unless deliberately exposed
+    host: str = "127.0.0.1"
+    #: TCP port; 0 = any free port (printed on the "serving on" line)
+    port: int = 8000
+    #: largest request body, bytes (uploads included), checked before parsing: 413
+    max_body_bytes: int = 64 << 20
+    #: most parts in one multipart body, counted as bytes arrive: 413
+    max_parts: int = 32
+    #: largest non-file multipart field (prompt, numbers), bytes
+    max_field_bytes: int = 64 << 10
+    #: requests waiting in this process for a worker slot; beyond it: 429 with Retry-After
+    max_queue: int = 64
+    #: requests in flight on one worker at a time; 0 = twice the worker's max_batch
+    worker_slots: int = 0
+    #: routing policy across workers: "least-loaded" | "round-robin"
+    routing: str = "least-loaded"
+    #: Retry-After of 429 and retryable 503 answers, seconds
+    retry_after_s: int = 2
+    #: an edit not finished after this long, seconds, is cancelled and answered 504
+    request_timeout_s: float = 600.0
+    #: most async jobs kept (running and finished); finished ones are dropped oldest first
+    max_jobs: int = 256
+    #: finished async jobs are forgotten this long after they finish, seconds
+    job_ttl_s: float = 600.0
+    #: most registered templates
+    max_templates: int = 256
+    #: steps of an edit that names none and matches no template; 0 = the model's default
+    default_steps: int = 0
+    #: seconds between health polls of each worker (stats, step log)
+    health_poll_s: float = 0.5
+    #: a worker whose last stats answer is older than this, seconds, is unhealthy
+    health_timeout_s: float = 3.0
+    #: a worker holding requests in its loop whose step counter has not moved for this long,
+    #: seconds, is unhealthy (a stuck loop)
+    stall_s: float = 30.0
+    #: restart a worker whose supervisor process exited
+    restart_workers: bool = True
+    #: a worker (re)start that is not ready after this long, seconds, fails
+    worker_start_timeout_s: float = 900.0
+    #: on SIGTERM/SIGINT, in-flight requests get this long to finish, seconds
+    drain_timeout_s: float = 300.0
+
+
+def check_server_config(cfg: ServerConfig) -> None:
+    """ValueError naming the field for values that cannot work."""
+    if cfg.routing not in ROUTING_POLICIES:
+        raise ValueError(f"routing: {cfg.routing!r} is not one of {ROUTING_POLICIES}")
+    if not 0 <= cfg.port <= 65535:
+        raise ValueError(f"port: {cfg.port} is not in 0..65535")
+    for name in ("max_body_bytes", "max_parts", "max_field_bytes", "max_jobs", "max_templates"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}: must be >= 1, got {getattr(cfg, name)}")
+    for name in ("max_queue", "worker_slots", "retry_after_s", "default_steps"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
+    for name in ("request_timeout_s", "health_poll_s", "health_timeout_s", "stall_s"):
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"{name}: must be > 0, got {getattr(cfg, name)}")

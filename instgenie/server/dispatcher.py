@@ -1,0 +1,267 @@
+"""Admission, the server queue and routing of edits to workers.
+
+Every edit is admitted (`admit`, synchronous: 429/503 at once) and then run (`run`). A request
+runs on a worker when the routing policy finds one with a free slot; otherwise it waits in the
+server queue, FIFO, bounded by ServerConfig.max_queue (beyond it: 429 + Retry-After).
+Invariants (event loop thread only):
+- A slot's capacity is reserved from routing until the worker's terminal answer for the request
+  (done, failed or cancelled) - never released on the client's say-so, so a cancelled request
+  holds its slot until the worker confirms; `slot.pending` has one entry per reservation.
+- A worker that dies fails every pending request of it at once (worker_died, retryable) and, if
+  no worker is left accepting, every waiting one (no_worker); nothing waits on a dead worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from instgenie.messages import EditDone, MessageError, Progress, SubmitEdit
+from instgenie.server.config import ServerConfig
+from instgenie.server.errors import ApiError, from_worker
+from instgenie.server.pool import WorkerPool, WorkerSlot
+from instgenie.server.routing import RouteRequest, RoutingPolicy
+from instgenie.worker.client import WorkerError
+
+
+@dataclass
+class Ticket:
+    uid: str  # the worker request uid (unique in this server process)
+    route: RouteRequest
+    admitted_at: float = field(default_factory=time.monotonic)
+    slot: WorkerSlot | None = None  # set once a slot is reserved
+    waiter: asyncio.Future | None = None  # resolved with the slot while queued
+    dispatched_at: float = 0.0  # monotonic: sent to the worker
+
+
+@dataclass
+class Outcome:
+    done: EditDone
+    worker: int  # slot index that ran it
+    server_queue_ms: float  # admitted -> sent to a worker, ms
+    server_total_ms: float  # admitted -> answered, ms
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, cfg: ServerConfig) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.cfg = cfg
+        self.waiting: deque[Ticket] = deque()
+        self.draining = False
+        self._ids = itertools.count()
+        self._prefix = secrets.token_hex(4)
+
+    # ---- admission ------------------------------------------------------------------------------
+    def admit(self, route: RouteRequest) -> Ticket:
+        """Reserve a worker slot or a queue place; ApiError 503 (draining, no worker) or 429."""
+        retry = self.cfg.retry_after_s
+        if self.draining:
+            raise ApiError(
+                503,
+                "shutting_down",
+                "the server is shutting down (draining); send the request to another instance",
+                retry_after_s=retry,
+            )
+        if not any(s.accepting for s in self.pool.slots):
+            raise ApiError(
+                503,
+                "no_worker",
+                f"no worker is available ({self._states()}); retry later",
+                retry_after_s=retry,
+            )
+        ticket = Ticket(f"{self._prefix}-{next(self._ids)}", route)
+        if not self.waiting:  # FIFO: nobody is ahead of it
+            slot = self._route(route)
+            if slot is not None:
+                self._reserve(ticket, slot)
+                return ticket
+        if len(self.waiting) >= self.cfg.max_queue:
+            raise ApiError(
+                429,
+                "overloaded",
+                f"the server is at capacity: {self.running} "
+                f"requests running and {len(self.waiting)} queued (limit "
+                f"{self.cfg.max_queue}); retry after {retry} s",
+                retry_after_s=retry,
+            )
+        ticket.waiter = asyncio.get_running_loop().create_future()
+        self.waiting.append(ticket)
+        return ticket
+
+    @property
+    def running(self) -> int:
+        return sum(s.in_flight for s in self.pool.slots)
+
+    def _states(self) -> str:
+        return ", ".join(f"worker {s.index}: {s.state}" for s in self.pool.slots)
+
+    def _route(self, route: RouteRequest) -> WorkerSlot | None:
+        live = [s for s in self.pool.slots if s.accepting]
+        index = self.policy.choose(route, [s.view() for s in live])
+        return self.pool.slots[index] if index is not None else None
+
+    def _reserve(self, ticket: Ticket, slot: WorkerSlot) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_consume)
+        slot.pending[ticket.uid] = fut
+        ticket.slot = slot
+
+    def pump(self) -> None:
+        """Hand freed slots to queued requests, in arrival order."""
+        while self.waiting:
+            ticket = self.waiting[0]
+            if ticket.waiter is None or ticket.waiter.done():  # its client went away
+                self.waiting.popleft()
+                continue
+            slot = self._route(ticket.route)
+            if slot is None:
+                return
+            self.waiting.popleft()
+            self._reserve(ticket, slot)
+            ticket.waiter.set_result(slot)
+
+    # ---- running --------------------------------------------------------------------------------
+    async def run(
+        self, ticket: Ticket, fields: dict, on_progress: Callable[[Progress], None] | None = None
+    ) -> Outcome:
+        """Send the admitted request to its worker and wait for the result. Cancelling the
+        calling task (client disconnect, DELETE) cancels the request on the worker."""
+        try:
+            slot = ticket.slot if ticket.waiter is None else await ticket.waiter
+        except asyncio.CancelledError:
+            self._abandon(ticket)
+            raise
+        assert slot is not None
+        fut = slot.pending.get(ticket.uid)
+        client = slot.client
+        if fut is None or client is None or not slot.accepting:
+            self._release(slot, ticket.uid)
+            raise ApiError(
+                503,
+                "worker_died",
+                f"worker {slot.index} went away before the request started (retryable: yes)",
+                retry_after_s=self.cfg.retry_after_s,
+            )
+        loop = asyncio.get_running_loop()
+        progress = None
+        if on_progress is not None:
+            progress = lambda p: loop.call_soon_threadsafe(on_progress, p)  # noqa: E731
+        msg = SubmitEdit(uid=ticket.uid, submitted_at=time.time(), **fields)
+        try:
+            handle = client.submit(msg, on_progress=progress)
+        except (RuntimeError, MessageError) as exc:  # closed client; a field of the wrong type
+            self._release(slot, ticket.uid)
+            raise ApiError(
+                503,
+                "worker_died",
+                f"worker {slot.index}: {exc}",
+                retry_after_s=self.cfg.retry_after_s,
+            ) from None
+        ticket.dispatched_at = time.monotonic()
+        handle.future.add_done_callback(
+            lambda f: loop.call_soon_threadsafe(self._answered, slot, ticket.uid, f)
+        )
+        try:
+            done = await asyncio.wait_for(asyncio.shield(fut), self.cfg.request_timeout_s)
+        except asyncio.CancelledError:
+            self._cancel(slot, ticket.uid)
+            raise
+        except TimeoutError:
+            self._cancel(slot, ticket.uid)
+            raise ApiError(
+                504,
+                "timeout",
+                f"the edit did not finish within "
+                f"{self.cfg.request_timeout_s:.0f} s and was cancelled",
+            ) from None
+        except WorkerError as exc:
+            raise from_worker(exc, self.cfg.retry_after_s) from None
+        now = time.monotonic()
+        return Outcome(
+            done,
+            slot.index,
+            1e3 * (ticket.dispatched_at - ticket.admitted_at),
+            1e3 * (now - ticket.admitted_at),
+        )
+
+    def _answered(self, slot: WorkerSlot, uid: str, result: Future) -> None:
+        fut = slot.pending.pop(uid, None)
+        if fut is not None and not fut.done():
+            exc = result.exception()
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result.result())
+        self.pump()
+
+    def _cancel(self, slot: WorkerSlot, uid: str) -> None:
+        """Ask the worker to drop `uid`; its slot frees when the worker confirms."""
+        client = slot.client
+        if uid in slot.pending and client is not None:
+            try:
+                client.cancel(uid)
+            except RuntimeError:  # the client closed: the worker is gone, worker_down frees it
+                pass
+
+    def _release(self, slot: WorkerSlot, uid: str) -> None:
+        slot.pending.pop(uid, None)
+        self.pump()
+
+    def release(self, ticket: Ticket) -> None:
+        """Give back an admitted ticket that will not be run."""
+        if ticket.waiter is None:
+            if ticket.slot is not None:
+                self._release(ticket.slot, ticket.uid)
+            return
+        self._abandon(ticket)
+        if not ticket.waiter.done():
+            ticket.waiter.cancel()
+
+    def _abandon(self, ticket: Ticket) -> None:
+        """The client left while queued (or just after a slot was handed to it)."""
+        waiter = ticket.waiter
+        if waiter is not None and waiter.done() and not waiter.cancelled():
+            if waiter.exception() is None:
+                self._release(waiter.result(), ticket.uid)
+        elif ticket in self.waiting:
+            self.waiting.remove(ticket)
+
+    # ---- failures and shutdown ------------------------------------------------------------------
+    def worker_down(self, slot: WorkerSlot, reason: str) -> None:
+        """Fail what `slot` held (its process is gone); fail the queue if no worker is left."""
+        pending, slot.pending = slot.pending, {}
+        err = WorkerError("worker_died", f"worker {slot.index} died: {reason}", retryable=True)
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        if not any(s.accepting for s in self.pool.slots):
+            retry = self.cfg.retry_after_s
+            while self.waiting:
+                ticket = self.waiting.popleft()
+                if ticket.waiter is not None and not ticket.waiter.done():
+                    ticket.waiter.set_exception(
+                        ApiError(
+                            503,
+                            "no_worker",
+                            f"no worker is available ({self._states()}); retry later",
+                            retry_after_s=retry,
+                        )
+                    )
+        self.pump()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and self.running == 0
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Mark a reservation's outcome as retrieved (its awaiting task may have been cancelled)."""
+    if not fut.cancelled():
+        fut.exception()

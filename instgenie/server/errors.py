@@ -1,0 +1,143 @@
+"""HTTP errors of the API: one typed exception, two wire shapes.
+
+- native routes: `{"error": {"code", "message", "field"?}}`
+- OpenAI routes (`/v1/images/...`): `{"error": {"message", "type", "param", "code"}}`
+Invariant: 5xx only for faults of the server or its workers; anything the client can fix is 4xx
+with a message naming the field. Retryable answers (429, 503) carry Retry-After (seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from instgenie.errors import ValidationError
+
+if TYPE_CHECKING:  # the worker client imports torch; this module is also used without it
+    from instgenie.worker.client import WorkerError
+
+log = logging.getLogger("instgenie.server")
+
+OPENAI_PREFIX = "/v1/images/"
+
+
+class ApiError(StarletteHTTPException):
+    """An HTTP error answer. Subclasses Starlette's HTTPException so that FastAPI re-raises it
+    unchanged from inside body parsing (the body-size cap raises it from `receive`)."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        field: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+        super().__init__(status_code=status, detail=message, headers=headers)
+        self.code = code
+        self.message = message
+        self.field = field
+
+    @classmethod
+    def invalid(cls, field: str, reason: str) -> ApiError:
+        return cls(422, "invalid_request", f"{field}: {reason}", field)
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError) -> ApiError:
+        return cls(422, "invalid_request", exc.message, exc.field)
+
+
+#: worker error code -> (HTTP status, retryable answer with Retry-After)
+_WORKER_STATUS = {
+    "invalid_request": (422, False),
+    "overloaded": (429, True),
+    "worker_died": (503, True),
+    "shutting_down": (503, True),
+    "client_closed": (503, True),
+    "cancelled": (409, False),
+    "template_failed": (422, False),
+}
+
+
+def from_worker(exc: WorkerError, retry_after_s: int) -> ApiError:
+    """The HTTP answer for a request the worker failed."""
+    status, retryable = _WORKER_STATUS.get(exc.code, (500, False))
+    field = None
+    if exc.code == "invalid_request" and ": " in exc.reason:
+        field = exc.reason.split(": ", 1)[0]
+        if not field.replace("_", "").replace(".", "").isalnum():
+            field = None
+    message = exc.reason
+    if status >= 500 or retryable:
+        message = f"{exc.reason} (retryable: {'yes' if exc.retryable else 'no'})"
+    return ApiError(status, exc.code, message, field, retry_after_s if retryable else None)
+
+
+def _openai_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_for_path(path: str, err: ApiError) -> tuple[int, dict, dict[str, str]]:
+    """(status, JSON body, headers) of `err` answering a request to `path`. OpenAI routes answer
+    validation errors with 400, as OpenAI does; native routes with 422."""
+    status = err.status_code
+    if path.startswith(OPENAI_PREFIX):
+        status = 400 if status == 422 else status
+        body = {
+            "message": err.message,
+            "type": _openai_type(status),
+            "param": err.field,
+            "code": err.code,
+        }
+    else:
+        body = {"code": err.code, "message": err.message}
+        if err.field is not None:
+            body["field"] = err.field
+    return status, {"error": body}, dict(err.headers or {})
+
+
+def error_response(request: Request, err: ApiError) -> JSONResponse:
+    status, body, headers = error_for_path(request.url.path, err)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _loc_field(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form")]
+    return ".".join(parts) or "body"
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every error leaves the app in one of the two shapes above."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if not isinstance(exc, ApiError):
+            code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(
+                exc.status_code, "bad_request" if exc.status_code < 500 else "internal_error"
+            )
+            exc = ApiError(exc.status_code, code, str(exc.detail))
+        return error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        field = _loc_field(tuple(first.get("loc", ())))
+        message = f"{field}: {first.get('msg', 'invalid')}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more)"
+        return error_response(request, ApiError(422, "invalid_request", message, field))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        err = ApiError(500, "internal_error", f"internal server error ({type(exc).__name__})")
+        return error_response(request, err)

@@ -1,0 +1,118 @@
+"""Health: every worker is polled in the background; probes read the last result.
+
+One poll at a time per worker (stats, then the step log since the last poll), each bounded by
+`health_timeout_s`, on this module's own threads: a frozen worker makes its poll wait, never the
+probes, and polls never pile up (RELIABILITY #8). A worker can make progress when its supervisor
+is alive and answers, its processes are all up, and its loop's step counter moves while it holds
+requests (`WorkerSlot.health`). A supervisor found dead is reported to `on_death` once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from instgenie.server.config import ServerConfig
+from instgenie.server.metrics import Metrics
+from instgenie.server.pool import WorkerPool, WorkerSlot
+from instgenie.worker.client import WorkerError
+
+log = logging.getLogger("instgenie.server")
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        cfg: ServerConfig,
+        metrics: Metrics,
+        on_death: Callable[[WorkerSlot, str], None],
+    ) -> None:
+        self.pool = pool
+        self.cfg = cfg
+        self.metrics = metrics
+        self.on_death = on_death
+        self._executor = ThreadPoolExecutor(
+            max_workers=len(pool.slots), thread_name_prefix="health"
+        )
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch(s)) for s in self.pool.slots]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _watch(self, slot: WorkerSlot) -> None:
+        while True:
+            try:
+                await self._poll(slot)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a poll must never end the watch
+                log.exception("health poll of worker %d failed", slot.index)
+            await asyncio.sleep(self.cfg.health_poll_s)
+
+    async def _poll(self, slot: WorkerSlot) -> None:
+        handle = slot.handle
+        if handle is None or slot.state != "up":
+            return
+        rc = handle.proc.poll()
+        if rc is not None:
+            reason = f"its supervisor (pid {handle.pid}) exited with status {rc}"
+            slot.last_error = reason
+            log.error("worker %d: %s", slot.index, reason)
+            self.on_death(slot, reason)
+            return
+        loop = asyncio.get_running_loop()
+        client, timeout = handle.client, self.cfg.health_timeout_s
+        try:
+            stats = await loop.run_in_executor(self._executor, client.stats, timeout)
+        except (TimeoutError, WorkerError, RuntimeError):
+            return  # stats_at stays old: unhealthy once health_timeout_s has passed
+        if slot.handle is not handle:
+            return
+        slot.observe(stats, time.monotonic())
+        steps = int(stats.get("steps_total", 0))
+        if steps > slot.step_cursor:
+            try:
+                entries = await loop.run_in_executor(
+                    self._executor, client.step_log, slot.step_cursor, timeout
+                )
+            except (TimeoutError, WorkerError, RuntimeError):
+                return
+            if slot.handle is handle and entries:
+                self.metrics.observe_steps(
+                    slot.index, [e for e in entries if e.step >= slot.step_cursor]
+                )
+                slot.step_cursor = max(e.step for e in entries) + 1
+
+    def report(self) -> tuple[bool, list[dict]]:
+        """(any worker can make progress, per worker details)."""
+        now = time.monotonic()
+        rows = []
+        for s in self.pool.slots:
+            ok, why = s.health(now, self.cfg.health_timeout_s, self.cfg.stall_s)
+            rows.append(
+                {
+                    "index": s.index,
+                    "device": s.device,
+                    "state": s.state,
+                    "healthy": ok,
+                    "reason": why or None,
+                    "pid": s.handle.pid if s.handle is not None else None,
+                    "address": s.handle.address if s.handle is not None else None,
+                    "in_flight": s.in_flight,
+                    "restarts": max(0, s.starts - 1),
+                    "batch_size": int(s.stats.get("batch_size_last", 0)),
+                    "steps_total": int(s.stats.get("steps_total", 0)),
+                    "last_stats_age_s": round(now - s.stats_at, 3) if s.stats_at else None,
+                }
+            )
+        return any(r["healthy"] for r in rows), rows

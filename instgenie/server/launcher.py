@@ -1,0 +1,167 @@
+"""`instgenie serve`: one worker per device, the API + scheduler process, clean shutdown.
+
+Start-up: bind the HTTP socket (a busy port fails before any worker starts), start every worker
+in parallel and wait for all ready handshakes, then serve. SIGTERM/SIGINT: drain - new requests
+get 503 while in-flight ones finish (up to drain_timeout_s) - then stop HTTP, shut the workers
+down (drain) and exit 0. A second SIGINT/SIGTERM stops at once (exit 1). Workers die with this
+process in any case (PR_SET_PDEATHSIG in the worker supervisor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import socket
+import sys
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from instgenie.config import Config, LimitsConfig, ModelConfig, WorkerConfig
+from instgenie.logs import setup_process
+from instgenie.server.config import ServerConfig, check_server_config
+
+if TYPE_CHECKING:
+    from instgenie.server.runtime import Runtime
+
+log = logging.getLogger("instgenie.server")
+
+EXIT_BAD_CONFIG = 2  # a flag value that cannot work; 1: start-up failed or not drained
+
+
+class _Interrupted(BaseException):
+    """A signal arrived during start-up."""
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with its signal handling replaced by drain-then-exit (and no re-raise of the
+    signal afterwards, so the process exits 0)."""
+
+    def __init__(self, config: uvicorn.Config, runtime: Runtime, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+        self.drain_timeout_s = drain_timeout_s
+        self.drained: bool | None = None  # None: no drain started
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self._loop is None or self.drained is not None:  # a second signal: stop now
+            self.should_exit = self.force_exit = True
+            self.drained = False
+            return
+        self.drained = False
+        self._loop.call_soon_threadsafe(self._start_drain, sig)
+
+    def _start_drain(self, sig: int) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain(sig))
+
+    async def _drain(self, sig: int) -> None:
+        log.warning(
+            "%s: draining (new requests get 503; in-flight ones finish)", signal.Signals(sig).name
+        )
+        ok = await self.runtime.drain(self.drain_timeout_s)
+        if not ok:
+            log.error("drain timed out after %.0f s; stopping anyway", self.drain_timeout_s)
+        self.drained = ok and not self.force_exit
+        self.should_exit = True
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def serve(
+    model: ModelConfig,
+    devices: list[str],
+    worker: WorkerConfig,
+    limits: LimitsConfig,
+    server: ServerConfig,
+) -> int:
+    """Run the server until a signal; the exit status (0: drained and stopped cleanly)."""
+    setup_process("api")
+    try:
+        check_server_config(server)
+        if not devices:
+            raise ValueError("devices: at least one device is required")
+    except ValueError as exc:
+        print(f"instgenie serve: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_CONFIG
+    configs = [
+        Config(model=dataclasses.replace(model, device=d), limits=limits, worker=worker)
+        for d in devices
+    ]
+    try:
+        sock = _bind(server.host, server.port)
+    except OSError as exc:
+        print(
+            f"instgenie: cannot listen on {server.host}:{server.port}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    # imported after the bind: the worker client pulls in torch, seconds of start-up
+    from instgenie.server.app import create_app
+    from instgenie.server.pool import WorkerPool
+    from instgenie.server.runtime import Runtime
+
+    pool = WorkerPool(configs, server.worker_slots, server.worker_start_timeout_s)
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise _Interrupted(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        pool.start()
+    except _Interrupted as exc:
+        log.warning("%s during start-up: workers stopped", exc)
+        sock.close()
+        return 0
+    except Exception as exc:
+        print(f"instgenie: workers failed to start: {exc}", file=sys.stderr, flush=True)
+        sock.close()
+        return 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    runtime = Runtime(pool, server, limits)
+    app = create_app(runtime)
+    uv_config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5
+    )
+    srv = DrainingServer(uv_config, runtime, server.drain_timeout_s)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"instgenie: serving {model.model} on http://{shown}:{port} with {len(devices)} "
+        f"worker(s) on {', '.join(devices)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        asyncio.run(srv.serve(sockets=[sock]))
+    finally:
+        codes = pool.close(drain=bool(srv.drained), timeout=server.drain_timeout_s)
+        sock.close()
+    bad = {i: rc for i, rc in codes.items() if rc != 0}
+    if bad:
+        log.error("workers exited with non-zero status: %s", bad)
+    print(
+        f"instgenie: stopped ({'drained' if srv.drained else 'not drained'})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0 if srv.drained and not bad else 1

@@ -1,0 +1,147 @@
+"""Prometheus metrics of one app (its own CollectorRegistry, so several apps can coexist).
+
+Counted as things happen: HTTP requests by route and status, edits by path and cache result,
+cache hits by tier, edit latency, denoise step time and cache bytes loaded (from the workers'
+step logs). Read at scrape time from the live state: server queue depth, per worker in-flight,
+queue depth, running batch size, up/down, restarts, template states, and the workers' own cache
+counters (`cache_hits_<tier>`, `cache_evictions_<tier>`, ... in their Stats, when reported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from instgenie.messages import StepEntry
+
+#: fastest first: the tier a cache hit is attributed to is the fastest one holding the entry
+TIER_ORDER = ("gpu", "cuda", "cpu", "dram", "disk")
+_MIRRORED = {  # worker Stats prefix -> (metric name, help)
+    "cache_hits_": ("instgenie_worker_cache_hits", "Template cache hits reported by the worker"),
+    "cache_evictions_": ("instgenie_cache_evictions", "Cache entries evicted, by tier"),
+    "cache_bytes_loaded_": ("instgenie_worker_cache_bytes_loaded", "Bytes loaded, by tier"),
+}
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http = Counter(
+            "instgenie_http_requests",
+            "HTTP requests by route and status",
+            ["method", "route", "status"],
+            registry=r,
+        )
+        self.edits = Counter(
+            "instgenie_edits",
+            "Finished edits by path taken and cache result",
+            ["path", "cache"],
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            "instgenie_cache_hits",
+            "Template cache hits of edits, by the tier the worker read the cache from",
+            ["tier"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "instgenie_edit_failures", "Edits answered with an error, by code", ["code"], registry=r
+        )
+        self.edit_seconds = Histogram(
+            "instgenie_edit_seconds",
+            "Edit latency seen by the server (admitted -> answered)",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300),
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "instgenie_step_seconds",
+            "Denoise step wall time, by worker",
+            ["worker"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.bytes_loaded = Counter(
+            "instgenie_cache_bytes_loaded",
+            "Cached activation bytes copied in by denoise steps",
+            ["worker"],
+            registry=r,
+        )
+
+    def observe_steps(self, worker: int, entries: Iterable[StepEntry]) -> None:
+        label = str(worker)
+        for e in entries:
+            self.step_seconds.labels(label).observe(e.duration_ms / 1e3)
+            if e.bytes_loaded:
+                self.bytes_loaded.labels(label).inc(e.bytes_loaded)
+
+    def add_live(self, collect: Callable[[], Iterable[Metric]]) -> None:
+        """Register a callable that yields metric families at each scrape."""
+
+        class _Live:
+            def collect(self) -> Iterable[Metric]:
+                return collect()
+
+        self.registry.register(_Live())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def fastest_tier(bytes_by_tier: dict[str, int]) -> str:
+    held = [t for t, n in bytes_by_tier.items() if n > 0]
+    if not held:
+        return "unknown"
+    return min(held, key=lambda t: TIER_ORDER.index(t) if t in TIER_ORDER else len(TIER_ORDER))
+
+
+def live_families(server_queue: int, workers: list[dict], templates: dict[str, int]):
+    """Gauges of the current state. `workers`: per worker {"index", "in_flight", "up",
+    "restarts", "stats"}; `templates`: state -> count."""
+    q = GaugeMetricFamily("instgenie_queue_depth", "Requests waiting in the server queue")
+    q.add_metric([], server_queue)
+    yield q
+    gauges = {
+        "in_flight": GaugeMetricFamily(
+            "instgenie_worker_in_flight",
+            "Requests sent to the worker and not answered",
+            labels=["worker"],
+        ),
+        "queue": GaugeMetricFamily(
+            "instgenie_worker_queue_depth",
+            "Requests the worker holds outside its denoise loop",
+            labels=["worker"],
+        ),
+        "batch": GaugeMetricFamily(
+            "instgenie_batch_size", "Requests in the worker's last denoise step", labels=["worker"]
+        ),
+        "up": GaugeMetricFamily(
+            "instgenie_worker_up", "1 if the worker can make progress", labels=["worker"]
+        ),
+    }
+    restarts = CounterMetricFamily(
+        "instgenie_worker_restarts", "Worker restarts by the server", labels=["worker"]
+    )
+    mirrored = {
+        p: CounterMetricFamily(n, h, labels=["worker", "tier"]) for p, (n, h) in _MIRRORED.items()
+    }
+    for w in workers:
+        label, stats = [str(w["index"])], w["stats"]
+        gauges["in_flight"].add_metric(label, w["in_flight"])
+        gauges["queue"].add_metric(label, stats.get("in_queued", 0) + stats.get("in_pre", 0))
+        gauges["batch"].add_metric(label, stats.get("batch_size_last", 0))
+        gauges["up"].add_metric(label, 1.0 if w["up"] else 0.0)
+        restarts.add_metric(label, w["restarts"])
+        for name, value in stats.items():
+            for prefix, family in mirrored.items():
+                if name.startswith(prefix):
+                    family.add_metric([label[0], name[len(prefix) :]], value)
+    yield from gauges.values()
+    yield restarts
+    yield from mirrored.values()
+    t = GaugeMetricFamily("instgenie_templates", "Registered templates by state", labels=["state"])
+    for state in ("building", "ready", "failed"):
+        t.add_metric([state], templates.get(state, 0))
+    yield t

@@ -1,0 +1,193 @@
+"""The worker processes of one server: one per device, started in parallel, restarted on death.
+
+State is owned by the event loop thread (the dispatcher, health monitor and templates read and
+write it there); only `start`, `close` and a restart's start-up run on other threads.
+Invariants:
+- A slot accepts requests only while `state == "up"` and its supervisor process is alive.
+- A dead supervisor's pending requests are failed by its WorkerHandle (worker_died, retryable)
+  at once; the pool then replaces the handle (restart_workers) while the slot reads "restarting".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from instgenie.config import Config
+from instgenie.server.routing import WorkerView
+from instgenie.worker.client import WorkerClient, WorkerHandle
+
+log = logging.getLogger("instgenie.server")
+
+#: how long a worker that is still starting gets to shut down before it is killed, seconds
+#: (nothing is in flight yet)
+STOP_STARTING_S = 2.0
+
+
+@dataclass
+class WorkerSlot:
+    index: int  # position in the pool, 0-based (= the device's position in --devices)
+    config: Config  # the worker's config (its device in config.model.device)
+    slots: int  # most requests sent to it at once, count
+    handle: WorkerHandle | None = None
+    state: str = "starting"  # "starting" | "up" | "restarting" | "failed" | "stopped"
+    #: uid -> the dispatcher's future of each request sent and not answered (event loop only)
+    pending: dict = field(default_factory=dict)
+    starts: int = 0  # successful starts, count (the first one included)
+    last_error: str = ""  # why the last start failed or the worker died
+    templates_ready: set[str] = field(default_factory=set)  # templates.py
+    # health.py:
+    stats: dict[str, float] = field(default_factory=dict)  # last Stats answer
+    stats_at: float = 0.0  # monotonic time of the last Stats answer
+    steps_seen: float = -1.0  # steps_total in that answer
+    steps_moved_at: float = 0.0  # monotonic: last time steps moved, or the loop held nothing
+    step_cursor: int = 0  # next step-log entry to fetch
+
+    @property
+    def device(self) -> str:
+        return self.config.model.device
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    @property
+    def client(self) -> WorkerClient | None:
+        return self.handle.client if self.handle is not None else None
+
+    @property
+    def accepting(self) -> bool:
+        return self.state == "up" and self.handle is not None and self.handle.proc.poll() is None
+
+    def observe(self, stats: dict[str, float], now: float) -> None:
+        """Record a Stats answer; the step counter must move while the loop holds requests."""
+        steps = stats.get("steps_total", 0.0)
+        if steps != self.steps_seen or not stats.get("in_loop"):
+            self.steps_moved_at = now
+        self.steps_seen = steps
+        self.stats, self.stats_at = stats, now
+
+    def health(self, now: float, timeout_s: float, stall_s: float) -> tuple[bool, str]:
+        """(can make progress, why not)."""
+        if not self.accepting:
+            return False, f"worker is {self.state}" + (
+                f": {self.last_error}" if self.last_error else ""
+            )
+        if now - self.stats_at > timeout_s:
+            return False, f"no stats answer for {now - self.stats_at:.1f} s"
+        if not self.stats.get("ready"):
+            return False, "worker processes are (re)starting"
+        if self.stats.get("in_loop") and now - self.steps_moved_at > stall_s:
+            return False, f"denoise loop made no step for {now - self.steps_moved_at:.1f} s"
+        return True, ""
+
+    def view(self) -> WorkerView:
+        return WorkerView(
+            index=self.index,
+            device=self.device,
+            in_flight=self.in_flight,
+            slots=self.slots,
+            batch_size=int(self.stats.get("batch_size_last", 0)),
+            queue_depth=int(self.stats.get("in_queued", 0) + self.stats.get("in_pre", 0)),
+            templates_ready=frozenset(self.templates_ready),
+        )
+
+
+class WorkerPool:
+    def __init__(self, configs: list[Config], slots: int, start_timeout_s: float) -> None:
+        if not configs:
+            raise ValueError("devices: at least one worker device is required")
+        self.slots = [
+            WorkerSlot(i, c, slots or 2 * c.worker.max_batch) for i, c in enumerate(configs)
+        ]
+        self.start_timeout_s = start_timeout_s
+        #: starts and restarts run here; its threads outlive their workers (see `start`)
+        self._executor = ThreadPoolExecutor(max_workers=len(configs), thread_name_prefix="worker")
+
+    def start(self) -> None:
+        """Start every worker in parallel and wait for all ready handshakes; on any failure the
+        started ones are closed and the first error is raised.
+
+        Workers are started from this pool's executor threads, which live until `close`: the
+        supervisor asks for SIGKILL when the *thread* that spawned it exits (PR_SET_PDEATHSIG)."""
+        futures = [self._executor.submit(self._start, s) for s in self.slots]
+        try:
+            for fut in futures:
+                while not fut.done():
+                    wait([fut], timeout=0.2)  # short waits: signals interrupt start-up
+                fut.result()
+        except BaseException:
+            self.close(drain=False, timeout=STOP_STARTING_S)
+            raise
+
+    def _start(self, slot: WorkerSlot) -> None:
+        """Spawn the worker and wait for its ready handshake. The handle is published at once,
+        so that `close` from another thread can stop a worker that is still starting."""
+        t0 = time.monotonic()
+        handle = WorkerHandle(slot.config)
+        slot.handle = handle
+        try:
+            handle.client.wait_ready(self.start_timeout_s)
+        except BaseException:
+            if slot.handle is handle:
+                slot.handle = None
+            _close(handle, drain=False, timeout=STOP_STARTING_S)
+            raise
+        if slot.handle is not handle:  # closed meanwhile
+            raise RuntimeError(f"worker {slot.index} was stopped while starting")
+        slot.state, slot.last_error = "up", ""
+        slot.starts += 1
+        slot.stats_at = slot.steps_moved_at = time.monotonic()
+        slot.stats = {"ready": 1.0}
+        log.warning(
+            "worker %d (%s, pid %d) ready in %.1f s",
+            slot.index,
+            slot.device,
+            handle.pid,
+            time.monotonic() - t0,
+        )
+
+    def restart(self, slot: WorkerSlot):
+        """Replace a dead worker (a concurrent.futures.Future; the caller awaits it)."""
+        old, slot.handle = slot.handle, None
+        slot.state, slot.stats = "restarting", {}
+        slot.templates_ready.clear()
+        slot.step_cursor, slot.steps_seen = 0, -1.0
+
+        def run() -> None:
+            if old is not None:
+                _close(old, drain=False, timeout=5)
+            try:
+                self._start(slot)
+            except Exception as exc:
+                slot.state, slot.last_error = "failed", f"restart failed: {exc}"
+                log.error("worker %d restart failed: %s", slot.index, exc)
+
+        return self._executor.submit(run)
+
+    def close(self, drain: bool = True, timeout: float = 60.0) -> dict[int, int]:
+        """Shut every worker down in parallel; {index: exit status}."""
+        codes: dict[int, int] = {}
+
+        def one(slot: WorkerSlot) -> None:
+            handle, slot.handle = slot.handle, None
+            slot.state = "stopped"
+            if handle is not None:
+                codes[slot.index] = _close(handle, drain=drain, timeout=timeout)
+
+        threads = [threading.Thread(target=one, args=(s,)) for s in self.slots]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        return codes
+
+
+def _close(handle: WorkerHandle, drain: bool, timeout: float) -> int:
+    """Close a worker; its children die with it (worker.lifeline arms PR_SET_PDEATHSIG before
+    their imports, so also during start-up)."""
+    return handle.close(drain=drain, timeout=timeout)

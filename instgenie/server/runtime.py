@@ -1,0 +1,268 @@
+"""The server's state and the edit path shared by the native and OpenAI routes.
+
+`Runtime` owns the dispatcher, templates, jobs, health monitor and metrics of one app; the worker
+pool is owned by the launcher (started before the app, closed after it). Everything here runs on
+the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from instgenie.config import LimitsConfig
+from instgenie.errors import ValidationError
+from instgenie.messages import Progress
+from instgenie.server.config import ServerConfig
+from instgenie.server.dispatcher import Dispatcher, Outcome, Ticket
+from instgenie.server.errors import ApiError
+from instgenie.server.health import HealthMonitor
+from instgenie.server.jobs import JobTable
+from instgenie.server.metrics import Metrics, fastest_tier, live_families
+from instgenie.server.pool import WorkerPool, WorkerSlot
+from instgenie.server.routing import RouteRequest, make_policy
+from instgenie.server.templates import TemplateRegistry, template_id_of
+from instgenie.server.uploads import ImageInfo, probe_image
+
+log = logging.getLogger("instgenie.server")
+
+
+@dataclass
+class EditSpec:
+    """A validated edit, ready for admission."""
+
+    fields: dict  # SubmitEdit fields except uid and submitted_at
+    route: RouteRequest
+    template_id: str | None  # the registered template it uses, if any
+    seed: int
+
+
+class Runtime:
+    def __init__(self, pool: WorkerPool, cfg: ServerConfig, limits: LimitsConfig) -> None:
+        self.pool = pool
+        self.cfg = cfg
+        self.limits = limits
+        self.model_id = pool.slots[0].config.model.model
+        self.started = time.time()
+        self.metrics = Metrics()
+        self.dispatcher = Dispatcher(pool, make_policy(cfg.routing), cfg)
+        self.templates = TemplateRegistry(pool, cfg)
+        self.jobs = JobTable(cfg.max_jobs, cfg.job_ttl_s, cfg.retry_after_s)
+        self.health = HealthMonitor(pool, cfg, self.metrics, self.on_worker_death)
+        self.metrics.add_live(self._live)
+        self._restarts: set[asyncio.Future] = set()
+
+    @property
+    def draining(self) -> bool:
+        return self.dispatcher.draining
+
+    async def start(self) -> None:
+        self.health.start()
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        for job in list(self.jobs.jobs.values()):
+            if job.task is not None and not job.task.done():
+                job.task.cancel()
+        self.templates.close()
+
+    # ---- worker lifecycle -----------------------------------------------------------------------
+    def on_worker_death(self, slot: WorkerSlot, reason: str) -> None:
+        slot.state = "restarting" if self.cfg.restart_workers and not self.draining else "failed"
+        self.dispatcher.worker_down(slot, reason)
+        if slot.state != "restarting":
+            return
+        fut = asyncio.wrap_future(self.pool.restart(slot))
+        self._restarts.add(fut)
+        fut.add_done_callback(lambda f: self._restarted(slot, f))
+
+    def _restarted(self, slot: WorkerSlot, fut: asyncio.Future) -> None:
+        self._restarts.discard(fut)
+        if slot.state == "up":
+            log.warning("worker %d restarted", slot.index)
+            self.templates.resync(slot)
+            self.dispatcher.pump()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new work (503), wait for admitted edits to finish; True if all did."""
+        self.dispatcher.draining = True
+        deadline = time.monotonic() + timeout_s
+        while not self.dispatcher.idle or self.jobs.running:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    # ---- validation -----------------------------------------------------------------------------
+    def probe(self, data: bytes, field: str) -> ImageInfo:
+        try:
+            return probe_image(data, field, self.limits)
+        except ValidationError as exc:
+            raise ApiError.from_validation(exc) from None
+
+    def check_params(
+        self, prompt: str, negative: str | None, steps: int | None, guidance: float | None
+    ) -> None:
+        lim = self.limits
+        for name, text in (("prompt", prompt), ("negative_prompt", negative)):
+            if text is not None and len(text) > lim.max_prompt_chars:
+                raise ApiError.invalid(
+                    name, f"is {len(text)} characters; the limit is {lim.max_prompt_chars}"
+                )
+        if steps is not None and not 1 <= steps <= lim.max_steps:
+            raise ApiError.invalid(
+                "num_inference_steps", f"must be between 1 and {lim.max_steps}, got {steps}"
+            )
+        if guidance is not None and not 0 <= guidance <= lim.max_guidance_scale:
+            raise ApiError.invalid(
+                "guidance_scale", f"must be between 0 and {lim.max_guidance_scale}, got {guidance}"
+            )
+
+    def prepare_edit(
+        self,
+        *,
+        image: bytes | None,
+        mask: bytes,
+        template_id: str | None,
+        prompt: str,
+        negative_prompt: str | None = None,
+        seed: int = 0,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        strength: float = 1.0,
+        output_format: str = "png",
+        paste_back: bool = True,
+        size: tuple[int, int] | None = None,
+    ) -> EditSpec:
+        """Validate an edit from its header-level facts; 4xx naming the field otherwise."""
+        self.check_params(prompt, negative_prompt, num_inference_steps, guidance_scale)
+        if template_id is not None and image is not None:
+            raise ApiError.invalid("template_id", "give either template_id or image, not both")
+        rec = None
+        if template_id is not None:
+            rec = self.templates.records.get(template_id)
+            if rec is None:
+                raise ApiError.invalid(
+                    "template_id",
+                    f"no template {template_id} is registered (POST /v1/templates first)",
+                )
+            width, height = rec.width, rec.height
+        elif image is not None:
+            info = self.probe(image, "image")
+            width, height = info.size
+            found = self.templates.records.get(template_id_of(image))
+            if found is not None and found.state(self.pool) != "failed":
+                rec, image = found, None  # the same bytes: edit the registered template
+        else:
+            raise ApiError.invalid("image", "an image (or a template_id) is required")
+        minfo = self.probe(mask, "mask")
+        if minfo.size != (width, height):
+            raise ApiError.invalid(
+                "mask",
+                f"is {minfo.width}x{minfo.height} but the image is "
+                f"{width}x{height}; the mask must have the image's size",
+            )
+        steps = num_inference_steps
+        if steps is None and rec is not None:
+            steps = rec.msg.num_inference_steps
+        if steps is None and self.cfg.default_steps:
+            steps = min(self.cfg.default_steps, self.limits.max_steps)
+        if guidance_scale is None and rec is not None:
+            guidance_scale = rec.msg.guidance_scale
+        out_w, out_h = size if size is not None else (None, None)
+        fields = dict(
+            image=image,
+            mask=mask,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            seed=seed,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            strength=strength,
+            width=out_w,
+            height=out_h,
+            paste_back=paste_back,
+            output_format=output_format,
+            template_id=rec.template_id if rec is not None else None,
+        )
+        tid = rec.template_id if rec is not None else None
+        route = RouteRequest(template_id=tid, num_steps=steps, pixels=width * height)
+        return EditSpec(fields, route, tid, seed)
+
+    # ---- running --------------------------------------------------------------------------------
+    def admit(self, spec: EditSpec) -> Ticket:
+        return self.dispatcher.admit(spec.route)
+
+    async def execute(
+        self, ticket: Ticket, spec: EditSpec, on_progress: Callable[[Progress], None] | None = None
+    ) -> dict:
+        """Run an admitted edit; the native edit response as a dict."""
+        try:
+            outcome = await self.dispatcher.run(ticket, spec.fields, on_progress)
+        except ApiError as exc:
+            self.metrics.failures.labels(exc.code).inc()
+            raise
+        return self._response(ticket, spec, outcome)
+
+    def _response(self, ticket: Ticket, spec: EditSpec, outcome: Outcome) -> dict:
+        d = outcome.done
+        tier = None
+        if d.cache == "hit":
+            tier = d.cache_tier  # the tier the worker read the cache from
+            if tier is None and spec.template_id is not None:  # a worker that does not say
+                rec = self.templates.records.get(spec.template_id)
+                build = rec.builds.get(outcome.worker) if rec is not None else None
+                tier = fastest_tier(build.bytes_by_tier if build is not None else {})
+            self.metrics.cache_hits.labels(tier or "unknown").inc()
+        self.metrics.edits.labels(d.path, d.cache or "none").inc()
+        self.metrics.edit_seconds.observe(outcome.server_total_ms / 1e3)
+        return {
+            "id": ticket.uid,
+            "object": "edit",
+            "created": int(time.time()),
+            "model": self.model_id,
+            "image": base64.b64encode(d.data).decode(),
+            "output_format": d.output_format,
+            "width": d.width,
+            "height": d.height,
+            "mask_ratio": d.mask_ratio,
+            "num_steps": d.num_steps,
+            "path": d.path,
+            "cache": d.cache,
+            "cache_tier": tier,
+            "template_id": spec.template_id,
+            "seed": spec.seed,
+            "worker": outcome.worker,
+            "timings": {
+                "queue_ms": d.queue_ms,
+                "preprocess_ms": d.preprocess_ms,
+                "denoise_ms": d.denoise_ms,
+                "postprocess_ms": d.postprocess_ms,
+                "total_ms": d.total_ms,
+                "server_queue_ms": outcome.server_queue_ms,
+                "server_total_ms": outcome.server_total_ms,
+            },
+        }
+
+    # ---- metrics --------------------------------------------------------------------------------
+    def _live(self):
+        ok_rows = self.health.report()[1]
+        workers = [
+            {
+                "index": s.index,
+                "in_flight": s.in_flight,
+                "up": row["healthy"],
+                "restarts": max(0, s.starts - 1),
+                "stats": s.stats,
+            }
+            for s, row in zip(self.pool.slots, ok_rows, strict=True)
+        ]
+        states: dict[str, int] = {}
+        for rec in self.templates.records.values():
+            st = rec.state(self.pool)
+            states[st] = states.get(st, 0) + 1
+        return live_families(len(self.dispatcher.waiting), workers, states)

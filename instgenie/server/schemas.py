@@ -1,0 +1,261 @@
+"""Request and response schemas of the REST API (pydantic; only this package uses pydantic).
+
+Bounds that depend on the configuration (steps, guidance, prompt length, pixels) are checked in
+code against LimitsConfig, with messages naming the field; the static bounds here keep the
+OpenAPI schema honest about types and ranges that never change.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_Seed = Field(0, ge=0, le=(1 << 63) - 1, description="seed of the initial noise")
+_Steps = Field(
+    None,
+    ge=1,
+    le=10_000,
+    description="denoise steps; default: the template's, else the server's default",
+)
+_Guidance = Field(None, ge=0, allow_inf_nan=False, description="classifier-free guidance scale")
+_Strength = Field(1.0, gt=0, le=1, allow_inf_nan=False, description="fraction of the schedule")
+_TemplateId = Field(
+    None,
+    pattern=r"^[0-9a-f]{64}$",
+    description="id of a registered template (sha256 of its image bytes, hex)",
+)
+_Url = Field(None, description="not supported: this server never fetches URLs (422)")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EditParams(_Strict):
+    """Non-file fields of POST /v1/edits (multipart form fields, or JSON members)."""
+
+    template_id: str | None = _TemplateId
+    prompt: str = Field(description="what to draw in the masked region")
+    negative_prompt: str | None = None
+    seed: int = _Seed
+    num_inference_steps: int | None = _Steps
+    guidance_scale: float | None = _Guidance
+    strength: float = _Strength
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    paste_back: bool = Field(True, description="copy the unmasked input pixels into the output")
+    image_url: str | None = _Url
+    mask_url: str | None = _Url
+
+
+class EditJSON(EditParams):
+    """POST /v1/edits as application/json: images as base64 (or data: URLs)."""
+
+    image: str | None = Field(None, description="base64 image (PNG/JPEG/WebP); or template_id")
+    mask: str | None = Field(None, description="base64 mask, white = edit, the image's size")
+
+
+class TemplateParams(_Strict):
+    """Non-file fields of POST /v1/templates."""
+
+    prompt: str = Field("", description="the template's own prompt or caption")
+    negative_prompt: str | None = None
+    seed: int = _Seed
+    num_inference_steps: int | None = _Steps
+    guidance_scale: float | None = _Guidance
+    strength: float = _Strength
+    image_url: str | None = _Url
+
+
+class TemplateJSON(TemplateParams):
+    image: str = Field(description="base64 template image (PNG/JPEG/WebP)")
+    mask: str | None = Field(None, description="base64 mask of the region edits will change")
+
+
+def multipart_schema(params: type[BaseModel], files: dict[str, str], required: list[str]) -> dict:
+    """OpenAPI schema of a multipart body: `params` as text fields plus binary file fields."""
+    schema = params.model_json_schema()
+    props = dict(schema.get("properties", {}))
+    for name, description in files.items():
+        props[name] = {"type": "string", "format": "binary", "description": description}
+    out = {"type": "object", "properties": props}
+    req = sorted(set(schema.get("required", [])) | set(required))
+    if req:
+        out["required"] = req
+    return out
+
+
+def request_body(
+    json_model: type[BaseModel],
+    params: type[BaseModel],
+    files: dict[str, str],
+    required_files: list[str],
+) -> dict:
+    """`openapi_extra` of a route that reads JSON or multipart itself."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": json_model.model_json_schema()},
+                "multipart/form-data": {"schema": multipart_schema(params, files, required_files)},
+            },
+        }
+    }
+
+
+# ---- responses -----------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    field: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIErrorBody(BaseModel):
+    error: OpenAIErrorDetail
+
+
+class Timings(BaseModel):
+    queue_ms: float = Field(description="waiting inside the worker, ms")
+    preprocess_ms: float
+    denoise_ms: float
+    postprocess_ms: float
+    total_ms: float = Field(description="accepted by the worker -> done, ms")
+    server_queue_ms: float = Field(description="waiting in the server queue, ms")
+    server_total_ms: float = Field(description="admitted by the server -> answered, ms")
+
+
+class EditResponse(BaseModel):
+    id: str
+    object: Literal["edit"] = "edit"
+    created: int = Field(description="unix seconds")
+    model: str
+    image: str = Field(description="base64 of the output image")
+    output_format: str
+    width: int
+    height: int
+    mask_ratio: float = Field(description="fraction of latent tokens edited, [0, 1]")
+    num_steps: int
+    path: Literal["masked", "full"]
+    cache: Literal["hit", "miss"] | None = Field(description="template cache use; null: none")
+    cache_tier: str | None = Field(description="fastest tier holding the template on the worker")
+    template_id: str | None
+    seed: int
+    worker: int
+    timings: Timings
+
+
+class JobProgress(BaseModel):
+    step: int
+    num_steps: int | None
+
+
+class JobResponse(BaseModel):
+    id: str
+    object: Literal["edit.job"] = "edit.job"
+    status: Literal["queued", "running", "done", "failed", "cancelled"]
+    created: float
+    finished: float | None
+    progress: JobProgress
+    result: EditResponse | None
+    error: ErrorDetail | None
+
+
+class TemplateWorker(BaseModel):
+    worker: int
+    status: Literal["building", "ready", "failed"]
+    build_ms: float
+    bytes_by_tier: dict[str, int]
+    message: str | None
+
+
+class TemplateResponse(BaseModel):
+    id: str
+    object: Literal["template"] = "template"
+    status: Literal["building", "ready", "failed"]
+    created: float
+    width: int
+    height: int
+    prompt: str
+    seed: int
+    num_inference_steps: int | None
+    guidance_scale: float | None
+    build_ms: float | None = Field(description="slowest worker's build, ms; null until ready")
+    bytes_by_tier: dict[str, int] = Field(description="cache bytes per tier, all workers")
+    error: str | None
+    workers: list[TemplateWorker]
+
+
+class TemplateList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[TemplateResponse]
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: str
+    deleted: bool
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    output_format: str
+    size: str
+
+
+class WorkerHealth(BaseModel):
+    index: int
+    device: str
+    state: str
+    healthy: bool
+    reason: str | None
+    pid: int | None
+    address: str | None
+    in_flight: int
+    restarts: int
+    batch_size: int
+    steps_total: int
+    last_stats_age_s: float | None
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "unhealthy"]
+    draining: bool
+    workers: list[WorkerHealth]
+
+
+class ReadyResponse(BaseModel):
+    ready: bool
+    reason: str | None
+
+
+ERRORS = {code: {"model": ErrorBody} for code in (400, 404, 409, 413, 415, 422, 429, 503, 504)}
+OPENAI_ERRORS = {code: {"model": OpenAIErrorBody} for code in (400, 404, 413, 429, 503, 504)}

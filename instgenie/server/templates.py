@@ -1,0 +1,168 @@
+"""Registered templates: one record per template id, built on every worker.
+
+A template id is the sha256 of the template image's bytes (hex), so an edit that uploads the same
+image bytes (an OpenAI client, a native edit by image) finds it. Registration returns at once;
+each worker builds its cache on a thread of this module's executor (register_template blocks).
+Invariants (event loop thread only):
+- `slot.templates_ready` holds exactly the ids whose build on that worker succeeded, for the
+  worker's current incarnation (a build answered by a replaced worker is ignored; resync()
+  rebuilds every record on a restarted worker).
+- Overall state: "failed" if any worker refused the template (bad content fails everywhere),
+  else "ready" once every accepting worker has it, else "building".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from instgenie.messages import RegisterTemplate
+from instgenie.server.config import ServerConfig
+from instgenie.server.errors import ApiError
+from instgenie.server.pool import WorkerPool, WorkerSlot
+from instgenie.worker.client import WorkerError
+
+log = logging.getLogger("instgenie.server")
+
+
+def template_id_of(image: bytes) -> str:
+    return hashlib.sha256(image).hexdigest()
+
+
+@dataclass
+class WorkerBuild:
+    state: str = "building"  # "building" | "ready" | "failed"
+    message: str = ""  # why it failed
+    build_ms: float = 0.0  # worker-reported registration -> ready, ms
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)  # cache bytes per tier
+
+
+@dataclass
+class TemplateRecord:
+    msg: RegisterTemplate  # what every worker is sent
+    width: int  # template image size, pixels
+    height: int
+    created: float = field(default_factory=time.time)  # unix s
+    builds: dict[int, WorkerBuild] = field(default_factory=dict)  # slot index -> build
+
+    @property
+    def template_id(self) -> str:
+        return self.msg.template_id
+
+    def state(self, pool: WorkerPool) -> str:
+        if any(b.state == "failed" for b in self.builds.values()):
+            return "failed"
+        live = [s.index for s in pool.slots if s.accepting]
+        if live and all(self.builds.get(i, WorkerBuild()).state == "ready" for i in live):
+            return "ready"
+        return "building"
+
+
+class TemplateRegistry:
+    def __init__(self, pool: WorkerPool, cfg: ServerConfig) -> None:
+        self.pool = pool
+        self.cfg = cfg
+        self.records: dict[str, TemplateRecord] = {}
+        self._executor = ThreadPoolExecutor(
+            max_workers=2 * len(pool.slots) + 2, thread_name_prefix="template"
+        )
+
+    def get(self, template_id: str) -> TemplateRecord:
+        rec = self.records.get(template_id)
+        if rec is None:
+            raise ApiError(
+                404,
+                "template_not_found",
+                f"template_id: no template {template_id!r} is registered",
+                "template_id",
+            )
+        return rec
+
+    def register(self, rec: TemplateRecord) -> tuple[TemplateRecord, bool]:
+        """(the record, created now); registering the same content again is a no-op."""
+        old = self.records.get(rec.template_id)
+        if old is not None and old.state(self.pool) == "failed" and old.msg == rec.msg:
+            del self.records[rec.template_id]  # registering it again retries the build
+            old = None
+        if old is not None:
+            if old.msg == rec.msg:
+                return old, False
+            raise ApiError(
+                409,
+                "template_conflict",
+                f"template {rec.template_id} is registered with other parameters; DELETE it first",
+                "template_id",
+            )
+        if len(self.records) >= self.cfg.max_templates:
+            raise ApiError(
+                409,
+                "too_many_templates",
+                f"{len(self.records)} templates are registered (the limit); DELETE one first",
+            )
+        self.records[rec.template_id] = rec
+        for slot in self.pool.slots:
+            if slot.accepting:
+                self._build(rec, slot)
+        return rec, True
+
+    def _build(self, rec: TemplateRecord, slot: WorkerSlot) -> None:
+        client, incarnation = slot.client, slot.starts
+        assert client is not None
+        rec.builds[slot.index] = build = WorkerBuild()
+        timeout = self.cfg.worker_start_timeout_s
+        fut = self._executor.submit(client.register_template, rec.msg, timeout)
+        loop = asyncio.get_running_loop()
+
+        def built(f) -> None:
+            loop.call_soon_threadsafe(self._built, rec, slot, incarnation, build, f)
+
+        fut.add_done_callback(built)
+
+    def _built(self, rec, slot: WorkerSlot, incarnation: int, build: WorkerBuild, fut) -> None:
+        tid = rec.template_id
+        if self.records.get(tid) is not rec or slot.starts != incarnation:
+            return  # deleted meanwhile, or answered by a worker since replaced
+        if rec.builds.get(slot.index) is not build:
+            return
+        exc = fut.exception()
+        if exc is None:
+            reply = fut.result()
+            build.state, build.build_ms = "ready", reply.build_ms
+            build.bytes_by_tier = dict(reply.bytes_by_tier)
+            slot.templates_ready.add(tid)
+        elif isinstance(exc, WorkerError) and exc.code == "template_failed":
+            build.state, build.message = "failed", exc.reason
+        else:  # the worker died or shut down: resync() rebuilds it on the next incarnation
+            build.message = f"{type(exc).__name__}: {exc}"
+            log.warning("template %s on worker %d: %s", tid[:12], slot.index, build.message)
+
+    def drop(self, template_id: str) -> TemplateRecord:
+        rec = self.get(template_id)
+        del self.records[template_id]
+        for slot in self.pool.slots:
+            slot.templates_ready.discard(template_id)
+            client = slot.client
+            if client is not None and slot.accepting:
+                try:
+                    client.drop_template(template_id)
+                except RuntimeError:  # closed: the worker is being replaced and forgets it
+                    pass
+        return rec
+
+    def resync(self, slot: WorkerSlot) -> None:
+        """Build every record on a (re)started worker."""
+        for rec in self.records.values():
+            self._build(rec, slot)
+
+    @property
+    def building(self) -> int:
+        return sum(
+            1 for r in self.records.values() for b in r.builds.values() if b.state == "building"
+        )
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
