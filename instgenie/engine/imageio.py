@@ -44,13 +44,9 @@ def _check_codec_allowed(what: str) -> None:
 ImageInput = bytes | bytearray | memoryview | Image.Image
 
 
-def _open(data: ImageInput, field: str, limits: LimitsConfig) -> Image.Image:
-    _check_codec_allowed("decoding")
-    if isinstance(data, Image.Image):
-        img = data
-        _check_pixels(img, field, limits)
-        return img
-    raw = bytes(data)
+def open_header(raw: bytes, field: str, limits: LimitsConfig) -> Image.Image:
+    """Open encoded bytes lazily and check what the header says — allowed format, pixel count,
+    a single frame — before any pixel is decoded. ValidationError naming `field` otherwise."""
     if not raw:
         raise ValidationError(field, "is empty (0 bytes)")
     allowed = ", ".join(limits.allowed_formats)
@@ -64,11 +60,27 @@ def _open(data: ImageInput, field: str, limits: LimitsConfig) -> Image.Image:
             ) from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
             raise ValidationError(field, f"is rejected as a decompression bomb: {exc}") from None
+        except (OSError, SyntaxError, ValueError, EOFError) as exc:
+            raise ValidationError(field, f"has a corrupt header: {exc}") from None
+    _check_pixels(img, field, limits)
+    try:
+        frames = getattr(img, "n_frames", 1)
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise ValidationError(field, f"has a corrupt header: {exc}") from None
+    if frames > 1:
+        raise ValidationError(field, f"has {frames} frames; a single still image is required")
+    return img
+
+
+def _open(data: ImageInput, field: str, limits: LimitsConfig) -> Image.Image:
+    _check_codec_allowed("decoding")
+    if isinstance(data, Image.Image):
+        img = data
         _check_pixels(img, field, limits)
-        if getattr(img, "n_frames", 1) > 1:
-            raise ValidationError(
-                field, f"has {img.n_frames} frames; a single still image is required"
-            )
+        return img
+    img = open_header(bytes(data), field, limits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
             img.load()
         except (OSError, SyntaxError, ValueError) as exc:
