@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import queue
 import secrets
@@ -43,6 +44,7 @@ from instgenie.messages import (
     GetStats,
     GetStepLog,
     Message,
+    MessageError,
     Progress,
     RegisterTemplate,
     Shutdown,
@@ -54,6 +56,8 @@ from instgenie.messages import (
     WorkerToClient,
 )
 from instgenie.worker.names import shm_base
+
+log = logging.getLogger("instgenie.worker.client")
 
 
 class WorkerError(InstGenIEError):
@@ -126,15 +130,29 @@ class WorkerClient:
     def cancel(self, uid: str) -> None:
         self._send(Cancel(uid=uid))
 
-    def register_template(
-        self, msg: RegisterTemplate, timeout: float | None = 600.0
-    ) -> TemplateReady:
-        """Register and build a template; returns when its cache is ready (WorkerError if not)."""
+    def submit_template(self, msg: RegisterTemplate) -> Future:
+        """Register and build a template without waiting: a future of its TemplateReady (ok or
+        not), or WorkerError if the worker died. Sent in order with later submissions, so an
+        edit submitted afterwards finds the template registered."""
         fut: Future = Future()
         with self._lock:
             self._templates[msg.template_id].append(fut)
         self._send(msg)
-        reply: TemplateReady = fut.result(timeout)
+        return fut
+
+    def register_template(
+        self, msg: RegisterTemplate, timeout: float | None = 600.0
+    ) -> TemplateReady:
+        """Register and build a template; returns when its cache is ready (WorkerError if not)."""
+        fut = self.submit_template(msg)
+        try:
+            reply: TemplateReady = fut.result(timeout)
+        except TimeoutError:
+            with self._lock:
+                waiting = self._templates.get(msg.template_id, [])
+                if fut in waiting:
+                    waiting.remove(fut)
+            raise
         if not reply.ok:
             raise WorkerError("template_failed", reply.message)
         return reply
@@ -235,11 +253,34 @@ class WorkerClient:
                             break
                         if msg is None:
                             return
-                        sock.send(msg)
+                        try:
+                            sock.send(msg)
+                        except MessageError as exc:  # this message cannot be encoded: it alone
+                            self._refuse(msg, str(exc))
                 while (reply := sock.recv(0)) is not None:
-                    self._on_reply(reply)
+                    try:
+                        self._on_reply(reply)
+                    except Exception:  # a caller's callback: never the socket thread's end
+                        log.exception("worker client: handling %s failed", type(reply).__name__)
         finally:
             sock.close()
+            if not self._closed:  # died unexpectedly: nobody will answer what is pending
+                self._closed = True
+                self.fail_all("client_failed", "the worker client's socket thread stopped")
+
+    def _refuse(self, msg: Message, why: str) -> None:
+        """Fail the future(s) of a message that could not be sent (invalid_request)."""
+        err = WorkerError("invalid_request", f"cannot be sent to the worker: {why}")
+        with self._lock:
+            if isinstance(msg, SubmitEdit):
+                futs = [h.future for h in [self._edits.pop(msg.uid, None)] if h is not None]
+            elif isinstance(msg, RegisterTemplate):
+                futs = self._templates.pop(msg.template_id, [])
+            else:
+                futs = []
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(err)
 
     def _on_reply(self, msg: Message) -> None:
         if isinstance(msg, (EditDone, EditFailed)):
