@@ -68,7 +68,6 @@ class Runtime:
         for job in list(self.jobs.jobs.values()):
             if job.task is not None and not job.task.done():
                 job.task.cancel()
-        self.templates.close()
 
     # ---- worker lifecycle -----------------------------------------------------------------------
     def on_worker_death(self, slot: WorkerSlot, reason: str) -> None:

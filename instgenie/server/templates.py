@@ -2,7 +2,8 @@
 
 A template id is the sha256 of the template image's bytes (hex), so an edit that uploads the same
 image bytes (an OpenAI client, a native edit by image) finds it. Registration returns at once;
-each worker builds its cache on a thread of this module's executor (register_template blocks).
+each worker builds its cache (RegisterTemplate is sent at once, in order with later edits; the
+reply future is bridged to the event loop).
 Invariants (event loop thread only):
 - `slot.templates_ready` holds exactly the ids whose build on that worker succeeded, for the
   worker's current incarnation (a build answered by a replaced worker is ignored; resync()
@@ -17,7 +18,6 @@ import asyncio
 import hashlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from instgenie.messages import RegisterTemplate
@@ -67,9 +67,6 @@ class TemplateRegistry:
         self.pool = pool
         self.cfg = cfg
         self.records: dict[str, TemplateRecord] = {}
-        self._executor = ThreadPoolExecutor(
-            max_workers=2 * len(pool.slots) + 2, thread_name_prefix="template"
-        )
 
     def get(self, template_id: str) -> TemplateRecord:
         rec = self.records.get(template_id)
@@ -113,8 +110,7 @@ class TemplateRegistry:
         client, incarnation = slot.client, slot.starts
         assert client is not None
         rec.builds[slot.index] = build = WorkerBuild()
-        timeout = self.cfg.worker_start_timeout_s
-        fut = self._executor.submit(client.register_template, rec.msg, timeout)
+        fut = client.submit_template(rec.msg)  # sent now, ahead of any later edit
         loop = asyncio.get_running_loop()
 
         def built(f) -> None:
@@ -129,12 +125,14 @@ class TemplateRegistry:
         if rec.builds.get(slot.index) is not build:
             return
         exc = fut.exception()
-        if exc is None:
+        if exc is None and fut.result().ok:
             reply = fut.result()
             build.state, build.build_ms = "ready", reply.build_ms
             build.bytes_by_tier = dict(reply.bytes_by_tier)
             slot.templates_ready.add(tid)
-        elif isinstance(exc, WorkerError) and exc.code == "template_failed":
+        elif exc is None:
+            build.state, build.message = "failed", fut.result().message
+        elif isinstance(exc, WorkerError) and exc.code == "invalid_request":
             build.state, build.message = "failed", exc.reason
         else:  # the worker died or shut down: resync() rebuilds it on the next incarnation
             build.message = f"{type(exc).__name__}: {exc}"
@@ -163,6 +161,3 @@ class TemplateRegistry:
         return sum(
             1 for r in self.records.values() for b in r.builds.values() if b.state == "building"
         )
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
