@@ -112,7 +112,11 @@ class Loop:
                 release(msg.state)
                 self._refuse(msg.uid, msg.meta.get("extras", {}).get("template_id"), e)
                 return
-            self.admit(state)
+            try:
+                self.admit(state)
+            except Exception as e:  # e.g. its cache could not be opened: it fails alone
+                self.pipe.release(state)
+                self._refuse(state.uid, state.extras.get("template_id"), e)
         elif isinstance(msg, Abort):
             self.batcher.abort(msg.uid)
         elif isinstance(msg, DropTemplate):
@@ -256,8 +260,12 @@ class Loop:
                 continue  # failed alone (_decode_one answered)
             if img is not None:
                 state.extras["decode_ms"] = ms
-            tensors, meta = to_parts(state, for_post=True, decoded=img)
-            bundle = pack(tensors, self.rt.shm_prefix)
+            try:
+                tensors, meta = to_parts(state, for_post=True, decoded=img)
+                bundle = pack(tensors, self.rt.shm_prefix)  # OSError when /dev/shm is full
+            except Exception as e:
+                self.rt.send(failure(state.uid, e))
+                continue
             try:
                 msg = Finished(uid=state.uid, latents=bundle, meta=meta, denoise_ms=denoise_ms)
                 self.rt.send(msg)

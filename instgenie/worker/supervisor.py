@@ -207,8 +207,10 @@ class Supervisor(ChildProcesses):
                 self._fail_everything("shutting_down", "the worker is shutting down")
 
     def reply(self, identity: bytes, msg: Message) -> None:
-        if not self.server.send(identity, msg, timeout_ms=0):
-            log.info("client gone; dropped %s", type(msg).__name__)
+        # a terminal reply may wait a little for a congested client; progress never waits
+        terminal = isinstance(msg, (EditDone, EditFailed, TemplateReady))
+        if not self.server.send(identity, msg, timeout_ms=200 if terminal else 0):
+            log.warning("client unreachable; dropped %s", type(msg).__name__)
 
     def submit(self, identity: bytes, msg: SubmitEdit) -> None:
         def refuse(code: str, why: str, retryable: bool) -> None:
@@ -278,8 +280,12 @@ class Supervisor(ChildProcesses):
 
     def cancel(self, identity: bytes, client_uid: str) -> None:
         uid = self.by_client.get((identity, client_uid))
-        if uid is None:
-            return  # finished, failed or never seen: nothing to cancel
+        if uid is None:  # finished, failed or never seen: answer anyway, in case a terminal
+            # reply was lost (the client ignores replies for uids it no longer holds)
+            why = "not in flight (finished or unknown)"
+            msg = EditFailed(uid=client_uid, code="cancelled", message=why, retryable=False)
+            self.reply(identity, msg)
+            return
         flight = self.flights[uid]
         if flight.stage == "queued":
             self.queue.remove(uid)
