@@ -391,3 +391,8 @@ def test_probe_reads_headers_only() -> None:
     exif[0x0112] = 6
     Image.fromarray(np.zeros((32, 64, 3), np.uint8)).save(jpeg, format="JPEG", exif=exif)
     assert probe_image(jpeg.getvalue(), "image", limits).size == (32, 64)
+    # a valid PNG whose pixel data is cut off still probes: the probe never decodes pixels
+    png = io.BytesIO()
+    Image.fromarray(np.full((64, 48, 3), 7, np.uint8)).save(png, format="PNG")
+    cut = png.getvalue()[:-40]  # IDAT truncated, IEND gone
+    assert probe_image(cut, "image", limits).size == (48, 64)

@@ -26,6 +26,9 @@ Server-Sent Events). OpenAI-compatible: `POST /v1/images/edits`. Native masks: w
 OpenAI masks: alpha = 0 = edit."""
 
 
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
 def create_app(runtime: Runtime) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -104,4 +107,5 @@ class RequestMetrics:
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
-            self.metrics.http.labels(scope["method"], path, str(status)).inc()
+            method = scope["method"] if scope["method"] in _METHODS else "OTHER"  # bounded labels
+            self.metrics.http.labels(method, path, str(status)).inc()

@@ -193,7 +193,7 @@ async def parse_body(
         raw = await request.body()
         try:
             data = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
             raise ApiError(400, "bad_json", f"body: not valid JSON ({exc})") from None
         if not isinstance(data, dict):
             raise ApiError.invalid("body", "expected a JSON object")
@@ -262,7 +262,10 @@ def probe_image(data: bytes, field: str, limits: LimitsConfig) -> ImageInfo:
     with open_header(data, field, limits) as img:
         w, h = img.size
         try:
-            if img.getexif().get(_EXIF_ORIENTATION) in _SWAPS_AXES:
+            # PngImageFile.getexif() decodes the whole image when no eXIf chunk precedes the
+            # data; a PNG's orientation is only honoured from a header eXIf chunk
+            header_exif = img.format != "PNG" or "exif" in img.info
+            if header_exif and img.getexif().get(_EXIF_ORIENTATION) in _SWAPS_AXES:
                 w, h = h, w
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
             raise ValidationError(field, f"has a corrupt header: {exc}") from None
