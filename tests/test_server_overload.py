@@ -26,6 +26,7 @@ from tests.test_server_harness import (
 RETRY_AFTER = "3"
 STALL_S = 3.0  # --stall-s: the server calls a loop stuck after this long without a step
 HEALTH_TIMEOUT_S = 2.0  # the harness's --health-timeout-s
+HANG_S = 20.0  # --worker-hang-s: a supervisor silent this long is killed and restarted
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,8 @@ def srv():
         "10",
         "--heartbeat-timeout-s",
         "5",
+        "--worker-hang-s",
+        str(HANG_S),
     )
     yield server
     server.gate.unlink(missing_ok=True)
@@ -146,9 +149,25 @@ def test_probes_stay_instant_and_flip_when_the_worker_freezes(srv) -> None:
     srv.wait_health(200, timeout=30, why="resumed")
 
 
+def test_a_frozen_supervisor_is_killed_and_restarted(srv) -> None:
+    sup = srv.worker()["pid"]
+    restarts = srv.metric("instgenie_worker_restarts_total", worker="0")
+    os.kill(sup, signal.SIGSTOP)  # never resumed: the server must fence it on its own
+    waiting = _in_background(_edit, srv, "behind a frozen worker", 3, 6)
+    t0 = time.monotonic()
+    r = _result(waiting, timeout=HANG_S + 30)
+    assert time.monotonic() - t0 < HANG_S + 15  # not the request timeout
+    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_died"
+    assert not os.path.exists(f"/proc/{sup}") or "Z" in open(f"/proc/{sup}/stat").read().split()[2]
+    body = srv.wait_health(200, timeout=240, why="restarted after the hang")
+    assert body["workers"][0]["pid"] != sup
+    assert srv.metric("instgenie_worker_restarts_total", worker="0") == restarts + 1
+    assert _edit(srv, "after the fence").status_code == 200
+
+
 def test_killed_worker_fails_fast_restarts_and_serves(srv) -> None:
     status, health = srv.health()
-    sup = health["workers"][0]["pid"]
+    sup, restarts = health["workers"][0]["pid"], health["workers"][0]["restarts"]
     children = descendants(sup)
     assert status == 200 and children
     running = _in_background(_edit, srv, "long", 200, 5)
@@ -166,8 +185,8 @@ def test_killed_worker_fails_fast_restarts_and_serves(srv) -> None:
     assert r.status_code == 503 and r.headers["Retry-After"] == RETRY_AFTER
     assert r.json()["error"]["code"] in ("no_worker", "worker_died")
     body = srv.wait_health(200, timeout=240, why="restarted")
-    assert body["workers"][0]["restarts"] == 1 and body["workers"][0]["pid"] != sup
+    assert body["workers"][0]["restarts"] == restarts + 1 and body["workers"][0]["pid"] != sup
     assert _edit(srv, "after the restart").status_code == 200
     assert not [p for p in children if os.path.exists(f"/proc/{p}")]  # died with their parent
     assert shm_segments({sup}) == []
-    assert srv.metric("instgenie_worker_restarts_total", worker="0") == 1
+    assert srv.metric("instgenie_worker_restarts_total", worker="0") == restarts + 1

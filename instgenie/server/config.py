@@ -48,6 +48,10 @@ class ServerConfig:
     #: a worker holding requests in its loop whose step counter has not moved for this long,
     #: seconds, is unhealthy (a stuck loop)
     stall_s: float = 30.0
+    #: a worker whose supervisor answers no stats for this long, seconds (frozen, or its client
+    #: connection is gone), is killed: its requests fail with worker_died and it is restarted;
+    #: 0 = never
+    worker_hang_s: float = 60.0
     #: restart a worker whose supervisor process exited
     restart_workers: bool = True
     #: a worker (re)start that is not ready after this long, seconds, fails
@@ -65,7 +69,7 @@ def check_server_config(cfg: ServerConfig) -> None:
     for name in ("max_body_bytes", "max_parts", "max_field_bytes", "max_jobs", "max_templates"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(cfg, name)}")
-    for name in ("max_queue", "worker_slots", "retry_after_s", "default_steps"):
+    for name in ("max_queue", "worker_slots", "retry_after_s", "default_steps", "worker_hang_s"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
     for name in ("request_timeout_s", "health_poll_s", "health_timeout_s", "stall_s"):

@@ -75,6 +75,7 @@ class HealthMonitor:
         try:
             stats = await loop.run_in_executor(self._executor, client.stats, timeout)
         except (TimeoutError, WorkerError, RuntimeError):
+            self._fence(slot, handle)
             return  # stats_at stays old: unhealthy once health_timeout_s has passed
         if slot.handle is not handle:
             return
@@ -92,6 +93,16 @@ class HealthMonitor:
                     slot.index, [e for e in entries if e.step >= slot.step_cursor]
                 )
                 slot.step_cursor = max(e.step for e in entries) + 1
+
+    def _fence(self, slot: WorkerSlot, handle) -> None:
+        """Kill a supervisor that has answered nothing for worker_hang_s: the next poll sees it
+        exit and the death path fails its requests (worker_died) and restarts it."""
+        silent = time.monotonic() - slot.stats_at
+        hang = self.cfg.worker_hang_s
+        if hang > 0 and silent > hang and handle.proc.poll() is None:
+            log.error("worker %d: no stats answer for %.0f s; killing its supervisor (pid %d)",
+                      slot.index, silent, handle.pid)  # fmt: skip
+            handle.proc.kill()
 
     def report(self) -> tuple[bool, list[dict]]:
         """(any worker can make progress, per worker details)."""
