@@ -70,12 +70,7 @@ class Dispatcher:
                 retry_after_s=retry,
             )
         if not any(s.accepting for s in self.pool.slots):
-            raise ApiError(
-                503,
-                "no_worker",
-                f"no worker is available ({self._states()}); retry later",
-                retry_after_s=retry,
-            )
+            raise self._no_worker()
         ticket = Ticket(f"{self._prefix}-{next(self._ids)}", route)
         if not self.waiting:  # FIFO: nobody is ahead of it
             slot = self._route(route)
@@ -143,12 +138,7 @@ class Dispatcher:
         client = slot.client
         if fut is None or client is None or not slot.accepting:
             self._release(slot, ticket.uid)
-            raise ApiError(
-                503,
-                "worker_died",
-                f"worker {slot.index} went away before the request started (retryable: yes)",
-                retry_after_s=self.cfg.retry_after_s,
-            )
+            raise self._worker_gone(slot, "went away before the request started (retryable: yes)")
         loop = asyncio.get_running_loop()
         progress = None
         if on_progress is not None:
@@ -158,12 +148,7 @@ class Dispatcher:
             handle = client.submit(msg, on_progress=progress)
         except (RuntimeError, MessageError) as exc:  # closed client; a field of the wrong type
             self._release(slot, ticket.uid)
-            raise ApiError(
-                503,
-                "worker_died",
-                f"worker {slot.index}: {exc}",
-                retry_after_s=self.cfg.retry_after_s,
-            ) from None
+            raise self._worker_gone(slot, str(exc)) from None
         ticket.dispatched_at = time.monotonic()
         handle.future.add_done_callback(
             lambda f: loop.call_soon_threadsafe(self._answered, slot, ticket.uid, f)
@@ -242,19 +227,19 @@ class Dispatcher:
             if not fut.done():
                 fut.set_exception(err)
         if not any(s.accepting for s in self.pool.slots):
-            retry = self.cfg.retry_after_s
             while self.waiting:
                 ticket = self.waiting.popleft()
                 if ticket.waiter is not None and not ticket.waiter.done():
-                    ticket.waiter.set_exception(
-                        ApiError(
-                            503,
-                            "no_worker",
-                            f"no worker is available ({self._states()}); retry later",
-                            retry_after_s=retry,
-                        )
-                    )
+                    ticket.waiter.set_exception(self._no_worker())
         self.pump()
+
+    def _no_worker(self) -> ApiError:
+        why = f"no worker is available ({self._states()}); retry later"
+        return ApiError(503, "no_worker", why, retry_after_s=self.cfg.retry_after_s)
+
+    def _worker_gone(self, slot, why: str) -> ApiError:
+        msg = f"worker {slot.index}: {why}"
+        return ApiError(503, "worker_died", msg, retry_after_s=self.cfg.retry_after_s)
 
     @property
     def idle(self) -> bool:
