@@ -42,8 +42,23 @@ def _sync(dev: torch.device) -> None:
 
 
 @contextlib.contextmanager
+def graphs_mode(pipe: EditPipeline, mode: str):
+    """Run with CUDA graphs in `mode` ("off" = eager), starting from no captured graphs."""
+    graphs = pipe.family.masked.graphs
+    saved = graphs.mode
+    graphs.mode = mode
+    graphs.clear()
+    try:
+        yield
+    finally:
+        graphs.mode = saved
+        graphs.clear()
+
+
+@contextlib.contextmanager
 def identity_blocks(pipe: EditPipeline):
     """Every transformer block returns its input: what is left is the non-transformer part."""
+    pipe.family.masked.graphs.clear()  # graphs captured with the real blocks must not replay
     saved = []
     for info in pipe.family.masked.blocks:
         mod = pipe.family.backbone.get_submodule(info.name)
@@ -60,6 +75,7 @@ def identity_blocks(pipe: EditPipeline):
     finally:
         for mod, fwd in saved:
             mod.forward = fwd
+        pipe.family.masked.graphs.clear()
 
 
 def busy_fraction(bench: StepBench, states) -> float:
@@ -89,28 +105,47 @@ def kernel_table(bench: StepBench, states, rows: int = 25) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
-def step_rows(pipe, bench, ratios, batches, warmup, iters, log):
+def timed(pipe, bench, states, warmup, iters, modes) -> dict[str, float]:
+    """Median step ms per CUDA-graph mode ("off" = eager; the warm-up covers the capture)."""
+    out = {}
+    for mode in modes:
+        with graphs_mode(pipe, mode):
+            out[mode] = round(bench.time_ms(states, max(warmup, 3), iters), 3)
+    return out
+
+
+def step_rows(pipe, bench, ratios, batches, warmup, iters, log, modes=("off", "all")):
+    """ms_full / ms_masked: eager (graphs off); *_graph: CUDA graphs (if "all" in modes)."""
     rows = []
     for batch in batches:
         full = bench.states(1.0, batch, masked=False)
-        f_flops, f_ms = bench.flops(full), bench.time_ms(full, warmup, iters)
-        with identity_blocks(pipe):
+        f_flops, f_ms = bench.flops(full), timed(pipe, bench, full, warmup, iters, modes)
+        with identity_blocks(pipe), graphs_mode(pipe, "off"):
             rest_ms = bench.time_ms(full, warmup, iters)
         for ratio in ratios:
             masked = bench.states(ratio, batch, masked=True)
             m_flops = bench.flops(masked)
-            m_ms = bench.time_ms(masked, warmup, iters)
+            m_ms = timed(pipe, bench, masked, warmup, iters, modes)
             row = dict(
                 batch=batch, mask_ratio=ratio, token_ratio=round(bench.token_ratio(masked), 4),
                 flops_full=f_flops, flops_masked=m_flops,
                 flop_ratio=round(m_flops / f_flops, 4),
-                ms_full=round(f_ms, 3), ms_masked=round(m_ms, 3),
-                speedup=round(f_ms / m_ms, 3), ms_non_transformer=round(rest_ms, 3),
+                ms_full=f_ms[modes[0]], ms_masked=m_ms[modes[0]],
+                speedup=round(f_ms[modes[0]] / m_ms[modes[0]], 3),
+                ms_non_transformer=round(rest_ms, 3),
                 backend=pipe.family.masked.attention_backend or "auto",
             )  # fmt: skip
+            if "all" in modes and "off" in modes:
+                row.update(
+                    ms_full_graph=f_ms["all"], ms_masked_graph=m_ms["all"],
+                    # against the eager full path (stock diffusers) and the graphed one
+                    speedup_graph_vs_eager=round(f_ms["off"] / m_ms["all"], 3),
+                    speedup_graph_vs_graph=round(f_ms["all"] / m_ms["all"], 3),
+                )  # fmt: skip
             if pipe.family.device.type == "cuda" and ratio in (0.2,):
-                row["gpu_busy_masked"] = round(busy_fraction(bench, masked), 3)
-                row["gpu_busy_full"] = round(busy_fraction(bench, full), 3)
+                with graphs_mode(pipe, "off"):
+                    row["gpu_busy_masked"] = round(busy_fraction(bench, masked), 3)
+                    row["gpu_busy_full"] = round(busy_fraction(bench, full), 3)
             rows.append(row)
             log(row)
             del masked
@@ -134,22 +169,23 @@ def image_level(pipe, size, ratio, steps, log):
     out = {"steps": steps, "mask_ratio": ratio, "capture_s": round(capture_s, 3),
            "cache_bytes": pipe.store.meta(key).nbytes}  # fmt: skip
     results = {}
-    for path in ("full", "masked", "full", "masked"):  # second round is the timed one
+    variants = [(path, mode) for mode in ("off", "all") for path in ("full", "masked")]
+    for path, mode in variants * 2:  # the second round is the timed one
         req = EditRequest(
             uid=path, image=png, mask=mask, prompt="a red leather jacket", seed=42,
             num_inference_steps=steps, template_id=key if path == "masked" else None,
             paste_back=False,
         )  # fmt: skip
-        _sync(dev)
-        t0 = time.perf_counter()
-        res = pipe.run([req])[0]
-        _sync(dev)
-        assert res.path == path, (res.path, path)
-        results[path] = (time.perf_counter() - t0, res.image)
-    out["s_full"] = round(results["full"][0], 3)
-    out["s_masked"] = round(results["masked"][0], 3)
-    out["speedup"] = round(results["full"][0] / results["masked"][0], 3)
-    a, b = results["full"][1], results["masked"][1]
+        with graphs_mode(pipe, mode):
+            results[(path, mode)] = staged_run(pipe, req, path)
+    for (path, mode), (stages, _img) in results.items():
+        suffix = "" if mode == "off" else "_graph"
+        out[f"s_{path}{suffix}"] = round(sum(stages.values()), 3)
+        out[f"stages_{path}{suffix}"] = {k: round(v, 4) for k, v in stages.items()}
+    out["speedup"] = round(out["s_full"] / out["s_masked"], 3)
+    out["speedup_graph_vs_eager"] = round(out["s_full"] / out["s_masked_graph"], 3)
+    out["speedup_graph_vs_graph"] = round(out["s_full_graph"] / out["s_masked_graph"], 3)
+    a, b = results[("full", "off")][1], results[("masked", "all")][1]
     out["ssim_raw"], out["psnr_raw"] = round(ssim(a, b), 4), round(psnr(a, b), 2)
     from instgenie.config import LimitsConfig
     from instgenie.engine.imageio import decode_image, decode_mask, paste_back
@@ -161,6 +197,32 @@ def image_level(pipe, size, ratio, steps, log):
     log(out)
     pipe.store.delete(key)
     return out
+
+
+def staged_run(pipe: EditPipeline, req: EditRequest, path: str):
+    """One request through pre-process, every step, VAE decode and image encode; seconds per
+    stage (synchronised at each boundary) and the output image."""
+    dev = pipe.family.device
+    t = {}
+
+    def mark(name: str, t0: float) -> float:
+        _sync(dev)
+        now = time.perf_counter()
+        t[name] = now - t0
+        return now
+
+    t0 = time.perf_counter()
+    state = pipe.preprocess(req)
+    assert state.path == path, (state.path, path)
+    t0 = mark("preprocess", t0)
+    while not state.is_done:
+        pipe.denoise_step([state])
+    t0 = mark("steps", t0)
+    img = pipe.decode_latents([state])[0]
+    t0 = mark("vae_decode", t0)
+    res = pipe.finish(state, img)
+    mark("encode", t0)
+    return t, res.image
 
 
 def environment(device: torch.device) -> dict:
@@ -208,6 +270,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: 2 ratios, batch 1-2, 3 steps")
     p.add_argument("--profile", action="store_true", help="print top kernels at m=0.2, max batch")
     p.add_argument("--backend", default=None, help="attention backend of the masked path")
+    p.add_argument("--graph-modes", nargs="+", default=["off", "all"],
+                   help="CUDA-graph modes per row; the first gives ms_full, ms_masked")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.quick:
@@ -240,6 +304,8 @@ def main() -> None:
     print(json.dumps(result["env"]), flush=True)
     pipe.family.masked.attention_backend = args.backend
     bench = StepBench.setup(pipe, size)
+    if dev.type != "cuda":
+        args.graph_modes = ["off"]  # CUDA graphs need CUDA
     if args.profile and dev.type == "cuda":
         b = max(args.batches)
         for masked in (True, False):
@@ -247,7 +313,8 @@ def main() -> None:
             print(f"== top kernels, batch {b}, {'masked m=0.2' if masked else 'full'} ==")
             print(table, flush=True)
     result["steps"] = step_rows(pipe, bench, args.ratios, args.batches, args.warmup, args.iters,
-                                lambda r: (result["steps"].append(r), log(r)))  # fmt: skip
+                                lambda r: (result["steps"].append(r), log(r)),
+                                tuple(args.graph_modes))  # fmt: skip
     pipe.store.delete(bench.template_key)
     if not args.skip_image:
         steps = args.image_steps

@@ -19,6 +19,7 @@ def render(path: str) -> str:
         "| ms non-transformer | GPU busy masked/full |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    graphs = [r for r in d["steps"] if "ms_masked_graph" in r]
     for r in d["steps"]:
         busy = (
             f"{r['gpu_busy_masked']:.2f} / {r['gpu_busy_full']:.2f}"
@@ -30,6 +31,24 @@ def render(path: str) -> str:
             f"| {r['ms_full']:.1f} | {r['ms_masked']:.1f} | **{r['speedup']:.2f}×** "
             f"| {r['ms_non_transformer']:.1f} | {busy} |"
         )
+    if graphs:
+        out += [
+            "",
+            "With CUDA graphs (INSTGENIE_CUDA_GRAPHS=all): speedup of the graphed masked step "
+            "against the eager full step (stock diffusers execution) and against the graphed "
+            "full step.",
+            "",
+            "| batch | mask ratio | ms full eager | ms full graph | ms masked eager "
+            "| ms masked graph | vs eager full | vs graphed full |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in graphs:
+            out.append(
+                f"| {r['batch']} | {r['mask_ratio']} | {r['ms_full']:.1f} "
+                f"| {r['ms_full_graph']:.1f} | {r['ms_masked']:.1f} | {r['ms_masked_graph']:.1f} "
+                f"| **{r['speedup_graph_vs_eager']:.2f}×** "
+                f"| **{r['speedup_graph_vs_graph']:.2f}×** |"
+            )
     img = d.get("image")
     if img:
         out += [
@@ -39,7 +58,31 @@ def render(path: str) -> str:
             f"(**{img['speedup']:.2f}×**); template capture {img['capture_s']:.2f} s, "
             f"cache {img['cache_bytes'] / 1e9:.1f} GB.",
         ]
+        if "s_masked_graph" in img:
+            out += ["", _image_stages(img)]
     return "\n".join(out)
+
+
+def _image_stages(img: dict) -> str:
+    """Seconds per stage of the image-level runs, eager and with CUDA graphs."""
+    rows = [
+        "| run | pre-process | steps | VAE decode | encode | total |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    labels = {"full": "full, eager", "full_graph": "full, graphs", "masked": "masked, eager",
+              "masked_graph": "masked, graphs"}  # fmt: skip
+    for name, label in labels.items():
+        st = img[f"stages_{name}"]
+        rows.append(
+            f"| {label} | {st['preprocess']:.3f} | {st['steps']:.3f} | {st['vae_decode']:.3f} "
+            f"| {st['encode']:.3f} | {img[f's_{name}']:.3f} |"
+        )
+    rows.append("")
+    rows.append(
+        f"Image-level speedup with graphs: **{img['speedup_graph_vs_eager']:.2f}×** against the "
+        f"eager full path, **{img['speedup_graph_vs_graph']:.2f}×** against the graphed one."
+    )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@ def unet_channels_last() -> bool:
     return os.environ.get("INSTGENIE_UNET_CHANNELS_LAST", "0").strip() in ("1", "true", "yes")
 
 
+def cuda_graphs() -> str:
+    """INSTGENIE_CUDA_GRAPHS: all (default) | masked | off — which denoising steps replay
+    CUDA graphs (engine/graphs.py)."""
+    return os.environ.get("INSTGENIE_CUDA_GRAPHS", "all").strip().lower()
+
+
 def log_level() -> str:
     """INSTGENIE_LOG_LEVEL: logging level of worker processes (default WARNING)."""
     return os.environ.get("INSTGENIE_LOG_LEVEL", "WARNING").strip().upper()

@@ -84,6 +84,9 @@ class _Entry:
     def __init__(self, meta: TemplateMeta) -> None:
         self.meta = meta
         self.blocks: dict[tuple[int, int], torch.Tensor] = {}
+        #: block id -> (num_steps, rows, L, C): every step's output of the block in one tensor;
+        #: `blocks[(s, b)]` is `stacked[b][s]` (unquantised entries only)
+        self.stacked: dict[int, torch.Tensor] = {}
         self.latents: dict[int, torch.Tensor] = {}
 
 
@@ -149,10 +152,28 @@ class InMemoryStore:
     def _place(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of t on the store's device (page-locked when pin_memory)."""
         if self.pin_memory:
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            out = self._empty(t.shape, t.dtype)
             out.copy_(t)
             return out
         return t.to(device=self.device, copy=True)
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.pin_memory:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _store_step(self, entry: _Entry, step: int, block_id: int, y: torch.Tensor) -> torch.Tensor:
+        """Unquantised block output: written into the block's (num_steps, rows, L, C) stack, so
+        that one tensor holds every step (a CUDA graph reads any step from it by index)."""
+        stack = entry.stacked.get(block_id)
+        dtype = self.dtype or y.dtype
+        if stack is None or stack.shape[1:] != y.shape or stack.dtype != dtype:
+            if stack is not None:  # a capture never changes shapes; keep the old entries valid
+                return self._place(y.detach().to(dtype))
+            stack = self._empty((entry.meta.num_steps, *y.shape), dtype)
+            entry.stacked[block_id] = stack
+        stack[step].copy_(y.detach())
+        return stack[step]
 
     def _finish(self, key: str, entry: _Entry, ok: bool) -> None:
         with self._lock:
@@ -172,6 +193,10 @@ class _MemoryHandle:
     def block(self, step: int, block_id: int) -> torch.Tensor:
         return self._entry.blocks[(step, block_id)]
 
+    def block_steps(self, block_id: int) -> torch.Tensor | None:
+        """(num_steps, rows, L, C): the block's output at every step, or None (fp8 entries)."""
+        return self._entry.stacked.get(block_id)
+
     def latents(self, step: int) -> torch.Tensor:
         return self._entry.latents[step]
 
@@ -186,7 +211,10 @@ class _MemoryWriter:
     def put_block(self, step: int, block_id: int, y: torch.Tensor) -> None:
         if not self.entry.meta.cache_dtype:
             self.entry.meta.cache_dtype = str(y.dtype).removeprefix("torch.")
-        t = self.store._store(y, quantize=True)
+        if self.store.dtype == FP8 or not 0 <= step < self.entry.meta.num_steps:
+            t = self.store._store(y, quantize=True)
+        else:
+            t = self.store._store_step(self.entry, step, block_id, y)
         self.entry.blocks[(step, block_id)] = t
         self.entry.meta.block_shapes[block_id] = (int(t.shape[1]), int(t.shape[2]))
         self.entry.meta.nbytes += _nbytes(t)

@@ -24,7 +24,6 @@ from PIL import Image
 from instgenie.engine import textenc
 from instgenie.engine.adapters.base import AdapterBase
 from instgenie.engine.adapters.vae import vae_config
-from instgenie.engine.masked.context import use_context
 from instgenie.engine.masked.tokens import flux_token_masks
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.schedule import flow_match_step
@@ -205,22 +204,25 @@ class FluxFill(AdapterBase):
         hidden = torch.cat((latents, cond["masked_image_latents"]), dim=2)
         # diffusers: timestep = t.to(latents.dtype) / 1000, computed in the latents' dtype
         timestep = t.to(dev).to(latents.dtype) / 1000
-        with use_context(self.masked.context(batch)):
-            out = self.transformer(
-                hidden_states=hidden,
-                timestep=timestep,
-                guidance=cond["guidance"] if self.transformer.config.guidance_embeds else None,
-                pooled_projections=cond["pooled_projections"],
-                encoder_hidden_states=cond["prompt_embeds"],
-                txt_ids=batch[0].extras["txt_ids"],
-                img_ids=batch[0].extras["img_ids"],
-                return_dict=False,
-            )[0]
+        out = self.masked.run_backbone(
+            batch,
+            self._transformer,
+            hidden_states=hidden,
+            timestep=timestep,
+            guidance=cond["guidance"] if self.transformer.config.guidance_embeds else None,
+            pooled_projections=cond["pooled_projections"],
+            encoder_hidden_states=cond["prompt_embeds"],
+            txt_ids=batch[0].extras["txt_ids"],
+            img_ids=batch[0].extras["img_ids"],
+        )
         new = flow_match_step(out, latents, sig.to(dev), sig_next.to(dev))
         for i, s in enumerate(batch):
             s.latents = new[i : i + 1]
             s.step_index += 1
         self.masked.after_step(batch)
+
+    def _transformer(self, **kwargs: Any) -> torch.Tensor:
+        return self.transformer(return_dict=False, **kwargs)[0]
 
     # ---- mask-aware execution ----------------------------------------------------------------
     def token_masks(self, mask: torch.Tensor) -> dict[int, torch.Tensor]:

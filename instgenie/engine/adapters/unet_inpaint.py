@@ -20,7 +20,6 @@ from PIL import Image
 
 from instgenie import env
 from instgenie.engine.adapters.base import AdapterBase
-from instgenie.engine.masked.context import use_context
 from instgenie.engine.masked.tokens import unet_token_masks
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.schedule import euler_scale_input, euler_step
@@ -151,10 +150,9 @@ class UNetInpaintAdapter(AdapterBase):
         x = euler_scale_input(x, sig.repeat_interleave(rows).to(dev))
         cond = {k: torch.cat([s.cond[k] for s in batch]) for k in batch[0].cond}
         x = torch.cat([x, cond["mask"], cond["masked_image_latents"]], dim=1)
-        with use_context(self.masked.context(batch)):
-            out = self.unet(
-                x, t.repeat_interleave(rows).to(dev), return_dict=False, **self.unet_kwargs(cond)
-            )[0]
+        out = self.masked.run_backbone(
+            batch, self._unet, x, t.repeat_interleave(rows).to(dev), **self.unet_kwargs(cond)
+        )
 
         eps, off = [], 0
         for s in batch:
@@ -171,6 +169,9 @@ class UNetInpaintAdapter(AdapterBase):
             s.latents = new[i : i + 1]
             s.step_index += 1
         self.masked.after_step(batch)
+
+    def _unet(self, x: torch.Tensor, t: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.unet(x, t, return_dict=False, **kwargs)[0]
 
     # ---- mask-aware execution ----------------------------------------------------------------
     def token_masks(self, mask: torch.Tensor) -> dict[int, torch.Tensor]:

@@ -150,6 +150,10 @@ class StepContext:
         self._joint: dict[tuple, JointSet | torch.Tensor] = {}
         #: block id -> bool "ran masked" (observability and tests)
         self.masked_blocks: list[int] = []
+        #: graph form (engine/graphs.py): first row of each cache-reading request -> its step
+        #: index as a (1,) int64 device tensor; cached rows are then read by index from the
+        #: handle's per-block stack of all steps, so one captured graph serves every step
+        self.step_index: dict[int, torch.Tensor] | None = None
 
     def is_masked(self, block_id: int) -> bool:
         """Whether this block computes masked tokens only (some row reads the cache and the
@@ -250,6 +254,15 @@ class StepContext:
         if self.loader is not None:
             return self.loader.take(block_id)
         out = torch.empty_like(like)
+        if self.step_index is not None:
+            for req in self.requests:
+                if req.handle is not None:
+                    stack = req.handle.block_steps(block_id)  # (num_steps, rows, L, C)
+                    n = req.num_rows
+                    dst = out[req.start : req.start + n].unsqueeze(0)
+                    src = stack[:, stack.shape[1] - n :]
+                    torch.index_select(src, 0, self.step_index[req.start], out=dst)
+            return out
         for first, cached in self.cached_rows(block_id):
             copy_rows(out[first : first + cached.shape[0]], cached, non_blocking=True)
         return out

@@ -16,12 +16,20 @@ case); a host-tier cache is copied in by the `PipelinedLoader` on a side stream 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from instgenie import env
 from instgenie.cache.loader import BlockLoad, CopyEngine, PipelinedLoader, copy_engine_for
+from instgenie.engine.graphs import StepGraphs
 from instgenie.engine.masked import hooks
-from instgenie.engine.masked.context import RequestRows, StepContext, composition_key
+from instgenie.engine.masked.context import (
+    RequestRows,
+    StepContext,
+    composition_key,
+    use_context,
+)
 from instgenie.engine.request import RequestState
 
 #: (batch, context) -> block ids that compute all tokens this step (the load planner)
@@ -54,6 +62,26 @@ class MaskedExecutor:
         self._token_cache: tuple | None = None
         #: a BlockTimer attached to every step's context (the profiler sets it)
         self.timer_factory: Callable[[], object] | None = None
+        #: CUDA-graph replay of steps whose composition repeats (engine/graphs.py)
+        self.graphs = StepGraphs(device, env.cuda_graphs())
+
+    def run_backbone(
+        self,
+        batch: list[RequestState],
+        fn: Callable[..., torch.Tensor],
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """fn(*args, **kwargs) — the backbone call of one step — under this step's context,
+        replayed from a CUDA graph when the batch's composition repeats."""
+        ctx = self.context(batch)
+        dtype = batch[0].latents.dtype
+        if not self.graphs.eligible(ctx, dtype, self.block_order):
+            self.graphs.eager()
+            with use_context(ctx):
+                return fn(*args, **kwargs)
+        key = (composition_key(batch), None if ctx is None else ctx.compute_all)
+        return self.graphs.run(key, ctx, fn, args, kwargs)
 
     @property
     def num_blocks(self) -> int:

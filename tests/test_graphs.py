@@ -1,0 +1,165 @@
+"""The CUDA-graph form of a denoising step (engine/graphs.py), checked on CPU.
+
+A graph replays what the step's graph form computed when it was captured, so the graph form must
+equal the plain path: static input buffers, cached rows read by `index_select` over the step axis
+of the store's per-block stacks with the step index in a device tensor. `force_static` runs that
+form eagerly on CPU at every step (replay itself is checked on CUDA in test_gpu_masked.py).
+Equality is exact: the same kernels see the same values.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from instgenie.cache.store import InMemoryStore
+from instgenie.engine.graphs import StepGraphs
+from instgenie.engine.pipeline import EditPipeline
+from instgenie.engine.request import EditRequest
+from instgenie.engine.templates import TemplateSpec
+from tests.conftest import make_image, make_mask, png_bytes
+
+STEPS = 4
+
+
+def _pipe(family: str, store: InMemoryStore | None = None) -> EditPipeline:
+    return (
+        EditPipeline.load(f"{family}:tiny")
+        if store is None
+        else EditPipeline(EditPipeline.load(f"{family}:tiny").family, store=store)
+    )
+
+
+def _template(pipe: EditPipeline, seed: int) -> str:
+    img = png_bytes(make_image(128, 128, seed=seed))
+    return pipe.build_template(TemplateSpec(image=img, prompt="a coat", seed=seed,
+                                            num_inference_steps=STEPS))  # fmt: skip
+
+
+def _edit(uid: str, key: str | None, box, seed: int) -> EditRequest:
+    img = None if key else png_bytes(make_image(128, 128, seed=9))
+    mask = png_bytes(make_mask(128, 128, box))
+    return EditRequest(uid=uid, image=img, template_id=key, mask=mask, prompt=f"a {uid} scarf",
+                       seed=seed, num_inference_steps=STEPS, paste_back=False)  # fmt: skip
+
+
+def _run_staggered(pipe: EditPipeline, requests: list[EditRequest]) -> list[torch.Tensor]:
+    """Request i joins at step i: the batch mixes step indices, templates and paths."""
+    states, out = [], {}
+    pending = [pipe.preprocess(r) for r in requests]
+    while pending or states:
+        if pending:
+            states.append(pending.pop(0))
+        pipe.denoise_step(states)
+        for s in states:
+            if s.is_done:
+                out[s.uid] = s.latents.clone()
+        states = [s for s in states if not s.is_done]
+    return [out[r.uid] for r in requests]
+
+
+def test_graph_form_equals_plain_path(family: str) -> None:
+    pipe = _pipe(family)
+    ex = pipe.family.masked
+    k1, k2 = _template(pipe, 1), _template(pipe, 2)
+    reqs = [
+        _edit("a", k1, (0.1, 0.1, 0.4, 0.5), 3),
+        _edit("b", k2, (0.5, 0.2, 0.9, 0.7), 4),
+        _edit("c", None, (0.3, 0.3, 0.6, 0.6), 5),  # full path, in the same batch
+        _edit("d", k1, (0.0, 0.6, 1.0, 1.0), 6),
+    ]
+    ex.graphs.mode = "off"
+    plain = _run_staggered(pipe, reqs)
+    assert ex.graphs.counters["warmup"] == 0
+    ex.graphs = StepGraphs(ex.device, "all")
+    ex.graphs.force_static = True
+    static = _run_staggered(pipe, reqs)
+    # 4 joins + 3 steps to finish the last: every step took the graph form
+    assert ex.graphs.counters["warmup"] == STEPS + len(reqs) - 1
+    assert ex.graphs.counters["eager"] == 0
+    for a, b in zip(plain, static, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_graph_form_reads_each_step(family: str) -> None:
+    """The step index is a device scalar written before every call: a graph form stuck at the
+    step it was built for reads the wrong cached rows (guards the fill of the step index)."""
+    pipe = _pipe(family)
+    ex = pipe.family.masked
+    key = _template(pipe, 1)
+    req = _edit("a", key, (0.2, 0.2, 0.6, 0.6), 3)
+    ex.graphs.mode = "off"
+    plain = _run_staggered(pipe, [req])[0]
+    written = []
+
+    class StuckSteps(StepGraphs):
+        def _write_steps(self, entry, ctx):
+            written.append([r.step for r in ctx.requests])
+            if len(written) == 1:  # the first step only, then never updated
+                super()._write_steps(entry, ctx)
+
+    ex.graphs = StuckSteps(ex.device, "masked")
+    ex.graphs.force_static = True
+    stuck = _run_staggered(pipe, [req])[0]
+    assert written == [[s] for s in range(STEPS)]
+    assert not torch.equal(plain, stuck)
+
+
+def test_store_stacks_are_the_step_entries() -> None:
+    pipe = _pipe("sdxl-inpaint")
+    key = _template(pipe, 1)
+    h = pipe.store.open(key)
+    meta = pipe.store.meta(key)
+    for b, (L, C) in meta.block_shapes.items():
+        stack = h.block_steps(b)
+        assert stack.shape == (STEPS, meta.num_rows, L, C)
+        for s in range(STEPS):
+            assert h.block(s, b).data_ptr() == stack[s].data_ptr()
+    assert meta.nbytes >= sum(h.block_steps(b).nbytes for b in meta.block_shapes)
+
+
+def test_eligibility() -> None:
+    fp8 = _pipe("sdxl-inpaint", InMemoryStore("cpu", dtype=torch.float8_e4m3fn))
+    ex = fp8.family.masked
+    ex.graphs.force_static = True
+    key = _template(fp8, 1)
+    state = fp8.preprocess(_edit("a", key, (0.2, 0.2, 0.6, 0.6), 3))
+    assert state.path == "masked"
+    ctx = ex.context([state])
+    dtype = state.latents.dtype
+    assert not ex.graphs.eligible(ctx, dtype, ex.block_order)  # fp8 rows have no stacks
+
+    pipe = _pipe("sdxl-inpaint")
+    ex = pipe.family.masked
+    graphs = StepGraphs(ex.device, "all")
+    graphs.force_static = True
+    key = _template(pipe, 1)
+    state = pipe.preprocess(_edit("a", key, (0.2, 0.2, 0.6, 0.6), 3))
+    ctx = ex.context([state])
+    assert graphs.eligible(ctx, dtype, ex.block_order)
+    assert not graphs.eligible(ctx, torch.float64, ex.block_order)  # stack dtype differs
+    assert graphs.eligible(None, dtype, ex.block_order)  # a full batch
+    graphs.mode = "masked"
+    assert not graphs.eligible(None, dtype, ex.block_order)
+    spec = TemplateSpec(image=png_bytes(make_image(128, 128, seed=7)), num_inference_steps=STEPS)
+    capture = pipe.capture_state(pipe.register_template(spec))
+    assert not graphs.eligible(ex.context([state, capture]), dtype, ex.block_order)
+    assert not StepGraphs(ex.device, "all").eligible(None, dtype, ex.block_order)  # CPU
+    with pytest.raises(ValueError, match="unknown CUDA graph mode"):
+        StepGraphs(ex.device, "sometimes")
+
+
+def test_entries_are_bounded_and_dropped_with_their_requests() -> None:
+    pipe = _pipe("sdxl-inpaint")
+    ex = pipe.family.masked
+    ex.graphs = StepGraphs(ex.device, "all", max_graphs=2)
+    ex.graphs.force_static = True
+    key = _template(pipe, 1)
+    for i in range(3):  # three compositions, one after the other
+        _run_staggered(pipe, [_edit(f"r{i}", key, (0.1 * i, 0.2, 0.5, 0.6), i)])
+    assert len(ex.graphs._entries) <= 2
+    gc.collect()
+    ex.graphs._drop_dead()
+    assert len(ex.graphs._entries) == 0  # every request state is gone
