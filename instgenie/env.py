@@ -22,6 +22,12 @@ def cuda_graphs() -> str:
     return os.environ.get("INSTGENIE_CUDA_GRAPHS", "all").strip().lower()
 
 
+def cudnn_benchmark() -> bool:
+    """INSTGENIE_CUDNN_BENCHMARK: 1 lets cuDNN pick convolution algorithms by timing them
+    (torch.backends.cudnn.benchmark) on CUDA; 0 (default) keeps its heuristics."""
+    return os.environ.get("INSTGENIE_CUDNN_BENCHMARK", "0").strip() in ("1", "true", "yes")
+
+
 def log_level() -> str:
     """INSTGENIE_LOG_LEVEL: logging level of worker processes (default WARNING)."""
     return os.environ.get("INSTGENIE_LOG_LEVEL", "WARNING").strip().upper()

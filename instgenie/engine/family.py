@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from PIL import Image
 
+from instgenie import env
 from instgenie.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -134,4 +135,7 @@ def load_family(
     only); see AdapterBase.load."""
     spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(spec)
     cls = _registry()[spec.family]
+    if device.startswith("cuda") and env.cudnn_benchmark():
+        # shapes repeat every step: let cuDNN time its convolution algorithms once per shape
+        torch.backends.cudnn.benchmark = True
     return cls.load(spec, device=device, dtype=resolve_dtype(cls, device, dtype), parts=parts)

@@ -197,7 +197,10 @@ class StepGraphs:
         return _Entry([t.clone() for t in tensors], spec, leaves, step_index, tokens=tokens)
 
     def _capture(self, ctx: StepContext | None, fn, entry: _Entry) -> torch.Tensor:
-        if self._pool is None:
+        if self._pool is None or len(self) == 0:
+            # graphs share one memory pool (they never run concurrently and each one's output
+            # is copied out before the next replay); once every graph of a pool is gone the
+            # allocator retires it, and capturing into a retired pool id is an error
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
