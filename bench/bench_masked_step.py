@@ -244,12 +244,14 @@ def environment(device: torch.device) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         pass
+    # GIT_COMMIT first: the device's copy of the tree may carry a stale .git
     commit = os.environ.get("GIT_COMMIT", "")
-    try:
-        git = ["git", "rev-parse", "HEAD"]
-        commit = subprocess.run(git, capture_output=True, text=True).stdout.strip() or commit
-    except OSError:
-        pass
+    if not commit:
+        try:
+            git = ["git", "rev-parse", "HEAD"]
+            commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
     env["commit"] = commit
     return env
 

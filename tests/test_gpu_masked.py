@@ -111,3 +111,26 @@ def test_cuda_graph_replay_equals_eager(family: str) -> None:
     for a, b, c in zip(eager, graphed, again, strict=True):
         assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
         assert torch.equal(b, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_norm_rope_compiled(dtype: torch.dtype) -> None:
+    """The compiled fused RMSNorm + RoPE kernel at Flux's shapes against its torch reference."""
+    from triton_kernels.rmsnorm_rope import rmsnorm_rope, rmsnorm_rope_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, H, D, P = 4608, 24, 128, 4608
+    x = (3 * torch.randn(N, H, D, device="cuda", generator=g)).to(dtype)
+    w = (1 + 0.3 * torch.randn(D, device="cuda", generator=g)).to(dtype)
+    angle = torch.rand(P, D // 2, device="cuda", generator=g) * 6.28
+    cos, sin = angle.cos().repeat_interleave(2, 1), angle.sin().repeat_interleave(2, 1)
+    pos = torch.randperm(P, device="cuda", generator=g)[:N]
+    dst = torch.randperm(N + 100, device="cuda", generator=g)[:N]
+    for diffusers in (False, True):
+        out = torch.zeros(N + 100, H, D, device="cuda", dtype=dtype)
+        ref = torch.zeros_like(out)
+        rmsnorm_rope(x, w, 1e-6, cos, sin, pos, out, dst, diffusers)
+        rmsnorm_rope_reference(x, w, 1e-6, cos, sin, pos, ref, dst, diffusers)
+        unit = 2**-7 if dtype == torch.bfloat16 else 2**-10
+        tol = 2 * unit * float(ref.abs().max())  # as in tests/test_rmsnorm_rope.py
+        assert float((out.float() - ref.float()).abs().max()) <= tol

@@ -10,10 +10,13 @@ stock blocks (tests/test_masked_exact.py).
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from diffusers.models.transformers.transformer_flux import (
     FluxAttnProcessor,
     FluxSingleTransformerBlock,
@@ -30,6 +33,84 @@ def check_supported(block: FluxTransformerBlock | FluxSingleTransformerBlock) ->
     if block.attn.fused_projections:
         return "fused QKV projections"
     return None
+
+
+#: the fused RMSNorm + RoPE kernel (triton_kernels/rmsnorm_rope.py): "auto" = on CUDA where Triton
+#: imports; "on" = also elsewhere (CPU tests under TRITON_INTERPRET=1); "off" = the torch ops
+FUSED_ROPE = "auto"
+
+
+@functools.cache
+def _fused_kernel():
+    try:
+        from triton_kernels.rmsnorm_rope import rmsnorm_rope
+    except Exception:  # triton missing or broken: the torch ops
+        return None
+    return rmsnorm_rope
+
+
+def _fused(attn: Any, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    """The fused kernel if it reproduces this block's q/k norms and RoPE here, else None."""
+    if FUSED_ROPE == "off" or (FUSED_ROPE == "auto" and x.device.type != "cuda"):
+        return None
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    norms = [getattr(attn, n, None) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")]
+    for norm in norms:
+        if isinstance(norm, torch.nn.RMSNorm):
+            ok = norm.weight is not None
+        else:
+            ok = isinstance(norm, DiffusersRMSNorm) and norm.weight is not None
+            ok = ok and norm.bias is None
+        if norm is not None and not ok:
+            return None
+    if not isinstance(rope, tuple) or rope[0].dtype != torch.float32:
+        return None
+    return _fused_kernel()
+
+
+@dataclass
+class _RopeRows:
+    """Where each projected row goes and which RoPE table row it takes (one composition)."""
+
+    #: dual blocks: packed image queries / text queries (positions in Q order and table rows)
+    q_img_pos: torch.Tensor
+    q_txt_pos: torch.Tensor
+    #: keys of the joint (R * seq) sequence: image rows (R * L) and text rows (R * tt)
+    k_img_dst: torch.Tensor
+    k_img_pos: torch.Tensor
+    k_txt_dst: torch.Tensor
+    k_txt_pos: torch.Tensor
+    #: single blocks: table row of every joint key (R * seq)
+    k_all_pos: torch.Tensor
+
+
+def _rope_rows(ctx: StepContext, js: JointSet, R: int, L: int, tt: int) -> _RopeRows:
+    key = ("rope", L, tt)
+    rows = ctx._joint.get(key)
+    if rows is None:
+        dev, seq = js.sel.device, tt + L
+        r = torch.arange(R, device=dev)[:, None]
+        img = torch.arange(tt, seq, device=dev)[None].expand(R, L)
+        txt = torch.arange(tt, device=dev)[None].expand(R, tt)
+        rows = ctx._joint[key] = _RopeRows(
+            q_img_pos=js.pos_in_row[js.img_pos],
+            q_txt_pos=js.pos_in_row[js.txt_pos],
+            k_img_dst=(r * seq + img).reshape(-1),
+            k_img_pos=img.reshape(-1),
+            k_txt_dst=(r * seq + txt).reshape(-1),
+            k_txt_pos=txt.reshape(-1),
+            k_all_pos=torch.arange(seq, device=dev).repeat(R),
+        )
+    return rows
+
+
+def _norm_rope(kernel, x: torch.Tensor, norm: torch.nn.Module, rope, pos, out, dst=None) -> None:
+    """out[dst] = rope(norm(x)) at table rows pos; x (N, H, D); norm an RMSNorm (torch's or
+    diffusers', whose rounding differs)."""
+    cos, sin = (t.contiguous() for t in rope)
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    kernel(x, norm.weight, eps, cos, sin, pos, out, dst, isinstance(norm, DiffusersRMSNorm))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -58,6 +139,11 @@ def _joint_attention(
     q = _rope(q, cos[js.pos_in_row], sin[js.pos_in_row])
     k = apply_rotary_emb(k, rope, sequence_dim=1).reshape(R * seq, *k.shape[2:])
     v = v.reshape(R * seq, *v.shape[2:])
+    return _attend_roped(q, k, v, js, seq, backend)
+
+
+def _attend_roped(q, k, v, js: JointSet, seq: int, backend: str | None) -> torch.Tensor:
+    """Varlen attention of rotated packed queries (Q, H, D) over rotated joint keys (R*seq)."""
     o = varlen_attention(q, k, v, js.cu_q, js.cu_k, js.max_q, seq, q.shape[-1] ** -0.5, backend)
     return o.to(q.dtype).flatten(1)
 
@@ -85,19 +171,35 @@ def dual_masked_forward(
     n_txt, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(E, emb=temb)
 
     n_img_q = n_img.reshape(R * L, C).index_select(0, ts.flat_idx)
-    q_img = attn.norm_q(_heads(attn.to_q(n_img_q), hd))
-    k_img = attn.norm_k(_heads(attn.to_k(n_img), hd))
     v_img = _heads(attn.to_v(n_img), hd)
-    q_txt = attn.norm_added_q(_heads(attn.add_q_proj(n_txt), hd))
-    k_txt = attn.norm_added_k(_heads(attn.add_k_proj(n_txt), hd))
     v_txt = _heads(attn.add_v_proj(n_txt), hd)
-
-    q = q_img.new_empty(js.sel.shape[0], *q_img.shape[1:])
-    q[js.txt_pos] = q_txt.reshape(R * tt, *q_txt.shape[2:])
-    q[js.img_pos] = q_img
-    k = torch.cat([k_txt, k_img], dim=1)
     v = torch.cat([v_txt, v_img], dim=1)
-    o = _joint_attention(q, k, v, image_rotary_emb, js, tt + L, ctx.attention_backend)
+    kernel = _fused(attn, X, image_rotary_emb)
+    if kernel is not None:  # norms + RoPE in one pass, written in place in the joint q and k
+        seq, rr = tt + L, _rope_rows(ctx, js, R, L, tt)
+        rope = image_rotary_emb
+        q_img = _heads(attn.to_q(n_img_q), hd)
+        H = q_img.shape[1]
+        q = q_img.new_empty(js.sel.shape[0], H, hd)
+        _norm_rope(kernel, q_img, attn.norm_q, rope, rr.q_img_pos, q, js.img_pos)
+        q_txt = _heads(attn.add_q_proj(n_txt), hd).reshape(R * tt, H, hd)
+        _norm_rope(kernel, q_txt, attn.norm_added_q, rope, rr.q_txt_pos, q, js.txt_pos)
+        k = q.new_empty(R * seq, H, hd)
+        k_img = _heads(attn.to_k(n_img), hd).reshape(R * L, H, hd)
+        _norm_rope(kernel, k_img, attn.norm_k, rope, rr.k_img_pos, k, rr.k_img_dst)
+        k_txt = _heads(attn.add_k_proj(n_txt), hd).reshape(R * tt, H, hd)
+        _norm_rope(kernel, k_txt, attn.norm_added_k, rope, rr.k_txt_pos, k, rr.k_txt_dst)
+        o = _attend_roped(q, k, v.reshape(R * seq, H, hd), js, seq, ctx.attention_backend)
+    else:
+        q_img = attn.norm_q(_heads(attn.to_q(n_img_q), hd))
+        k_img = attn.norm_k(_heads(attn.to_k(n_img), hd))
+        q_txt = attn.norm_added_q(_heads(attn.add_q_proj(n_txt), hd))
+        k_txt = attn.norm_added_k(_heads(attn.add_k_proj(n_txt), hd))
+        q = q_img.new_empty(js.sel.shape[0], *q_img.shape[1:])
+        q[js.txt_pos] = q_txt.reshape(R * tt, *q_txt.shape[2:])
+        q[js.img_pos] = q_img
+        k = torch.cat([k_txt, k_img], dim=1)
+        o = _joint_attention(q, k, v, image_rotary_emb, js, tt + L, ctx.attention_backend)
 
     # image tokens (packed)
     row = ts.row_of
@@ -142,10 +244,22 @@ def single_masked_forward(
     n_flat = n.reshape(R * seq, C)
     n_q = n_flat.index_select(0, js.sel)
     mlp = block.act_mlp(block.proj_mlp(n_q))
-    q = attn.norm_q(_heads(attn.to_q(n_q), hd))
-    k = attn.norm_k(_heads(attn.to_k(n), hd))
     v = _heads(attn.to_v(n), hd)
-    o = _joint_attention(q, k, v, image_rotary_emb, js, seq, ctx.attention_backend)
+    kernel = _fused(attn, X, image_rotary_emb)
+    if kernel is not None:  # norms + RoPE in one pass each
+        rr = _rope_rows(ctx, js, R, L, tt)
+        q_lin = _heads(attn.to_q(n_q), hd)
+        H = q_lin.shape[1]
+        q = torch.empty_like(q_lin)
+        _norm_rope(kernel, q_lin, attn.norm_q, image_rotary_emb, js.pos_in_row, q)
+        k_lin = _heads(attn.to_k(n), hd).reshape(R * seq, H, hd)
+        k = torch.empty_like(k_lin)
+        _norm_rope(kernel, k_lin, attn.norm_k, image_rotary_emb, rr.k_all_pos, k)
+        o = _attend_roped(q, k, v.reshape(R * seq, H, hd), js, seq, ctx.attention_backend)
+    else:
+        q = attn.norm_q(_heads(attn.to_q(n_q), hd))
+        k = attn.norm_k(_heads(attn.to_k(n), hd))
+        o = _joint_attention(q, k, v, image_rotary_emb, js, seq, ctx.attention_backend)
 
     h = gate[js.row_of] * block.proj_out(torch.cat([o, mlp], dim=1))
     h = S.reshape(R * seq, C).index_select(0, js.sel) + h
