@@ -83,7 +83,7 @@ def _rmsnorm_rope_kernel(X, W, COS, SIN, POS, DST, OUT, n, eps,
 
 def rmsnorm_rope_reference(
     x: torch.Tensor,
-    weight: torch.Tensor | None,
+    weight: torch.Tensor,
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
