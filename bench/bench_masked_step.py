@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from instgenie.engine import fused_norms  # noqa: E402
 from instgenie.engine.imageio import encode_image  # noqa: E402
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.engine.quality import psnr, ssim  # noqa: E402
@@ -53,6 +54,28 @@ def graphs_mode(pipe: EditPipeline, mode: str):
     finally:
         graphs.mode = saved
         graphs.clear()
+
+
+@contextlib.contextmanager
+def stock_ops(pipe: EditPipeline):
+    """Stock diffusers execution: eager, torch's GroupNorm/SiLU (engine/fused_norms.py off)."""
+    saved = fused_norms.MODE
+    fused_norms.MODE = "off"
+    try:
+        with graphs_mode(pipe, "off"):
+            yield
+    finally:
+        fused_norms.MODE = saved
+
+
+def fused_norms_active(pipe: EditPipeline) -> bool:
+    """Whether this run's model runs the fused GroupNorm kernel anywhere (else "stock" columns
+    would repeat the eager ones)."""
+    return (
+        pipe.family.device.type == "cuda"
+        and fused_norms.MODE != "off"
+        and any(isinstance(m, fused_norms.FusedGroupNorm) for m in pipe.family.backbone.modules())
+    )
 
 
 @contextlib.contextmanager
@@ -120,6 +143,10 @@ def step_rows(pipe, bench, ratios, batches, warmup, iters, log, modes=("off", "a
     for batch in batches:
         full = bench.states(1.0, batch, masked=False)
         f_flops, f_ms = bench.flops(full), timed(pipe, bench, full, warmup, iters, modes)
+        stock_ms = None
+        if fused_norms_active(pipe):
+            with stock_ops(pipe):
+                stock_ms = round(bench.time_ms(full, max(warmup, 3), iters), 3)
         with identity_blocks(pipe), graphs_mode(pipe, "off"):
             rest_ms = bench.time_ms(full, warmup, iters)
         for ratio in ratios:
@@ -142,6 +169,10 @@ def step_rows(pipe, bench, ratios, batches, warmup, iters, log, modes=("off", "a
                     speedup_graph_vs_eager=round(f_ms["off"] / m_ms["all"], 3),
                     speedup_graph_vs_graph=round(f_ms["all"] / m_ms["all"], 3),
                 )  # fmt: skip
+                if stock_ms is not None:
+                    # against stock diffusers: eager, torch's GroupNorm (no fused kernels)
+                    row.update(ms_full_stock=stock_ms,
+                               speedup_graph_vs_stock=round(stock_ms / m_ms["all"], 3))  # fmt: skip
             if pipe.family.device.type == "cuda" and ratio in (0.2,):
                 with graphs_mode(pipe, "off"):
                     row["gpu_busy_masked"] = round(busy_fraction(bench, masked), 3)
@@ -170,21 +201,26 @@ def image_level(pipe, size, ratio, steps, log):
            "cache_bytes": pipe.store.meta(key).nbytes}  # fmt: skip
     results = {}
     variants = [(path, mode) for mode in ("off", "all") for path in ("full", "masked")]
+    if fused_norms_active(pipe):
+        variants.append(("full", "stock"))  # eager, torch's GroupNorm: stock diffusers
     for path, mode in variants * 2:  # the second round is the timed one
         req = EditRequest(
             uid=path, image=png, mask=mask, prompt="a red leather jacket", seed=42,
             num_inference_steps=steps, template_id=key if path == "masked" else None,
             paste_back=False,
         )  # fmt: skip
-        with graphs_mode(pipe, mode):
+        ctx = stock_ops(pipe) if mode == "stock" else graphs_mode(pipe, mode)
+        with ctx:
             results[(path, mode)] = staged_run(pipe, req, path)
     for (path, mode), (stages, _img) in results.items():
-        suffix = "" if mode == "off" else "_graph"
+        suffix = {"off": "", "all": "_graph", "stock": "_stock"}[mode]
         out[f"s_{path}{suffix}"] = round(sum(stages.values()), 3)
         out[f"stages_{path}{suffix}"] = {k: round(v, 4) for k, v in stages.items()}
     out["speedup"] = round(out["s_full"] / out["s_masked"], 3)
     out["speedup_graph_vs_eager"] = round(out["s_full"] / out["s_masked_graph"], 3)
     out["speedup_graph_vs_graph"] = round(out["s_full_graph"] / out["s_masked_graph"], 3)
+    if "s_full_stock" in out:
+        out["speedup_graph_vs_stock"] = round(out["s_full_stock"] / out["s_masked_graph"], 3)
     a, b = results[("full", "off")][1], results[("masked", "all")][1]
     out["ssim_raw"], out["psnr_raw"] = round(ssim(a, b), 4), round(psnr(a, b), 2)
     from instgenie.config import LimitsConfig

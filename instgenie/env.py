@@ -28,6 +28,15 @@ def cudnn_benchmark() -> bool:
     return os.environ.get("INSTGENIE_CUDNN_BENCHMARK", "0").strip() in ("1", "true", "yes")
 
 
+def fused_group_norm() -> str:
+    """INSTGENIE_FUSED_GROUPNORM: auto (default: the Triton GroupNorm+SiLU kernel on CUDA) | on
+    (also elsewhere, e.g. CPU under TRITON_INTERPRET=1) | off (torch's ops, stock diffusers)."""
+    mode = os.environ.get("INSTGENIE_FUSED_GROUPNORM", "auto").strip().lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"INSTGENIE_FUSED_GROUPNORM={mode!r}: expected auto, on or off")
+    return mode
+
+
 def log_level() -> str:
     """INSTGENIE_LOG_LEVEL: logging level of worker processes (default WARNING)."""
     return os.environ.get("INSTGENIE_LOG_LEVEL", "WARNING").strip().upper()

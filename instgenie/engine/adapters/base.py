@@ -15,6 +15,7 @@ from diffusers import DiffusionPipeline
 
 from instgenie.engine.build import build_seeded
 from instgenie.engine.family import ModelSpec
+from instgenie.engine.fused_norms import fuse_group_norms
 from instgenie.engine.masked.executor import MaskedExecutor
 from instgenie.errors import ModelLoadError, ValidationError
 
@@ -73,6 +74,10 @@ class AdapterBase:
         self.dtype = dtype
         pipe.set_progress_bar_config(disable=True)
         self.backbone = getattr(pipe, self.backbone_name)
+        # GroupNorm (+ SiLU) of UNet and VAE ResNets through one Triton kernel pair on CUDA
+        for part in (self.backbone, getattr(pipe, "vae", None)):
+            if part is not None:
+                fuse_group_norms(part)
         #: hooks every transformer block; inert unless a step needs masked execution or capture
         self.masked = MaskedExecutor(self.backbone, device)
 
