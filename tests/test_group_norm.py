@@ -227,3 +227,15 @@ def test_families_install_it() -> None:
     for family in ("sd2-inpaint", "sdxl-inpaint"):
         fam = tiny_pipeline(family).family
         assert _swapped(fam.unet) and _swapped(fam.vae)
+
+
+def test_env_flag(monkeypatch) -> None:
+    from instgenie import env
+
+    monkeypatch.setenv("INSTGENIE_FUSED_GROUPNORM", " OFF ")
+    assert env.fused_group_norm() == "off"
+    monkeypatch.delenv("INSTGENIE_FUSED_GROUPNORM")
+    assert env.fused_group_norm() == "auto"
+    monkeypatch.setenv("INSTGENIE_FUSED_GROUPNORM", "fast")
+    with pytest.raises(ValueError, match="INSTGENIE_FUSED_GROUPNORM"):
+        env.fused_group_norm()
