@@ -195,3 +195,19 @@ def test_fused_group_norm_in_sdxl_unet_fp16() -> None:
         fused_norms.MODE = saved
     assert all(m.kernel_calls == 1 for m in swapped)
     assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_step_copy_compiled(dtype: torch.dtype) -> None:
+    """The compiled step-copy kernel against index_select at SDXL/Flux cache-stack shapes,
+    including the last-row slice (a CFG template serving a request without CFG)."""
+    from triton_kernels.step_copy import copy_step, copy_step_reference
+
+    for shape in [(4, 2, 1024, 1280), (3, 1, 4096, 3072), (3, 2, 4096, 640)]:
+        stack = torch.randn(shape, device="cuda").to(dtype)
+        for src in (stack, stack[:, shape[1] - 1 :]):
+            for s in range(shape[0]):
+                step = torch.tensor([s], device="cuda")
+                out = copy_step(src, step, torch.empty(src.shape[1:], device="cuda", dtype=dtype))
+                want = copy_step_reference(src, step, torch.empty_like(out))
+                assert torch.equal(out, want)

@@ -16,6 +16,7 @@ import torch
 
 from instgenie.cache.store import InMemoryStore
 from instgenie.engine.graphs import StepGraphs
+from instgenie.engine.masked import context
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
@@ -60,7 +61,10 @@ def _run_staggered(pipe: EditPipeline, requests: list[EditRequest]) -> list[torc
     return [out[r.uid] for r in requests]
 
 
-def test_graph_form_equals_plain_path(family: str) -> None:
+@pytest.mark.parametrize("step_copy", ["auto", "on"])
+def test_graph_form_equals_plain_path(family: str, step_copy: str, monkeypatch) -> None:
+    """step_copy "on": cached rows read by the Triton step-copy kernel (interpreted on CPU)."""
+    monkeypatch.setattr(context, "STEP_COPY", step_copy)
     pipe = _pipe(family)
     ex = pipe.family.masked
     k1, k2 = _template(pipe, 1), _template(pipe, 2)

@@ -11,8 +11,9 @@ consecutive steps, so each composition is captured once and replayed:
 - later calls copy the new inputs into the static buffers, write every cache-reading request's
   step index into a device scalar, and replay.
 
-Cached rows are read inside the graph by `index_select` over the step axis of the store's
-per-block stack (`handle.block_steps`), so one graph serves every step of its composition.
+Cached rows are read inside the graph from the store's per-block stack (`handle.block_steps`) at
+a step index held in a device tensor (triton_kernels/step_copy.py on CUDA, `index_select`
+elsewhere), so one graph serves every step of its composition.
 Invariant: a replay runs the same kernels in the same order as the eager graph form, which in
 turn computes exactly what the plain masked path computes (tests/test_graphs.py on CPU checks the
 graph form; tests marked gpu check replay). A failed capture turns graphs off for the executor

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import time
 import weakref
 from collections.abc import Iterator
@@ -28,6 +29,33 @@ from instgenie.cache.store import CacheWriter, TemplateHandle
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
     "instgenie_step_context", default=None
 )
+
+
+#: the device-indexed step copy (triton_kernels/step_copy.py) of the graph form: "auto" = on CUDA
+#: where Triton imports; "on" = also elsewhere (CPU tests under TRITON_INTERPRET=1); "off" =
+#: torch.index_select
+STEP_COPY = "auto"
+
+
+@functools.cache
+def _step_copy_kernel():
+    try:
+        from triton_kernels.step_copy import copy_step
+    except Exception:  # triton missing or broken: index_select
+        return None
+    return copy_step
+
+
+def copy_cached_step(src: torch.Tensor, step: torch.Tensor, out: torch.Tensor) -> None:
+    """out = src[step[0]] (the step index stays on the device)."""
+    kernel = None
+    if STEP_COPY == "on" or (STEP_COPY == "auto" and out.device.type == "cuda"):
+        if out.is_contiguous() and src[0].is_contiguous():
+            kernel = _step_copy_kernel()
+    if kernel is not None:
+        kernel(src, step, out)
+    else:
+        torch.index_select(src, 0, step, out=out.unsqueeze(0))
 
 
 def current_context() -> StepContext | None:
@@ -259,9 +287,9 @@ class StepContext:
                 if req.handle is not None:
                     stack = req.handle.block_steps(block_id)  # (num_steps, rows, L, C)
                     n = req.num_rows
-                    dst = out[req.start : req.start + n].unsqueeze(0)
                     src = stack[:, stack.shape[1] - n :]
-                    torch.index_select(src, 0, self.step_index[req.start], out=dst)
+                    dst = out[req.start : req.start + n]
+                    copy_cached_step(src, self.step_index[req.start], dst)
             return out
         for first, cached in self.cached_rows(block_id):
             copy_rows(out[first : first + cached.shape[0]], cached, non_blocking=True)

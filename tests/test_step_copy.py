@@ -1,0 +1,62 @@
+"""Device-indexed step copy (triton_kernels/step_copy.py) against torch.index_select (CPU:
+TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from triton_kernels.step_copy import _BLOCK, copy_step, copy_step_reference  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "steps, shape, tail_rows",
+    [
+        (5, (2, 33, 7), None),  # whole stack, numel not a multiple of the block
+        (3, (2, 64, 64), 1),  # the last row of each step only (a template with CFG, no-CFG edit)
+        (1, (1, 2 * _BLOCK), None),  # whole blocks only
+        (4, (2, 0, 8), None),  # empty slice
+    ],
+)
+def test_matches_index_select(steps, shape, tail_rows, dtype) -> None:
+    g = torch.Generator().manual_seed(steps)
+    stack = torch.randn(steps, *shape, generator=g).to(dtype)
+    src = stack if tail_rows is None else stack[:, shape[0] - tail_rows :]
+    for s in range(steps):
+        step = torch.tensor([s])
+        out = torch.full(src.shape[1:], float("nan"), dtype=dtype)
+        want = copy_step_reference(src, step, torch.empty_like(out))
+        copy_step(src, step, out)
+        assert torch.equal(out, want) and torch.equal(out, src[s])
+
+
+def test_reads_the_step_at_call_time() -> None:
+    """The step lives in a tensor: writing it between calls changes what is read (the graph
+    form writes it before every replay)."""
+    stack = torch.arange(3 * 10, dtype=torch.float32).reshape(3, 10)
+    step, out = torch.tensor([0]), torch.empty(10)
+    copy_step(stack, step, out)
+    assert torch.equal(out, stack[0])
+    step.fill_(2)
+    copy_step(stack, step, out)
+    assert torch.equal(out, stack[2])
+
+
+@pytest.mark.parametrize(
+    "src, step, out, err",
+    [
+        (torch.zeros(3, 4), torch.tensor([0]), torch.zeros(5), ValueError),  # shapes
+        (torch.zeros(3, 4), torch.tensor([0]), torch.zeros(4, dtype=torch.float16), TypeError),
+        (torch.zeros(3, 4), torch.tensor([0], dtype=torch.int32), torch.zeros(4), ValueError),
+        (torch.zeros(3, 4), torch.tensor([0, 1]), torch.zeros(4), ValueError),
+        (torch.zeros(3, 4, 2).transpose(1, 2), torch.tensor([0]), torch.zeros(2, 4), ValueError),
+    ],
+)
+def test_rejects_bad_input(src, step, out, err) -> None:
+    with pytest.raises(err):
+        copy_step(src, step, out)
