@@ -68,13 +68,14 @@ def stock_ops(pipe: EditPipeline):
         fused_norms.MODE = saved
 
 
-def fused_norms_active(pipe: EditPipeline) -> bool:
-    """Whether this run's model runs the fused GroupNorm kernel anywhere (else "stock" columns
-    would repeat the eager ones)."""
+def fused_norms_active(pipe: EditPipeline, with_vae: bool = False) -> bool:
+    """Whether the backbone (and with_vae: the VAE) runs the fused GroupNorm kernel anywhere
+    (else "stock" columns would repeat the eager ones)."""
+    parts = [pipe.family.backbone] + ([pipe.family.vae] if with_vae else [])
     return (
         pipe.family.device.type == "cuda"
         and fused_norms.MODE != "off"
-        and any(isinstance(m, fused_norms.FusedGroupNorm) for m in pipe.family.backbone.modules())
+        and any(isinstance(m, fused_norms.FusedGroupNorm) for p in parts for m in p.modules())
     )
 
 
@@ -201,7 +202,7 @@ def image_level(pipe, size, ratio, steps, log):
            "cache_bytes": pipe.store.meta(key).nbytes}  # fmt: skip
     results = {}
     variants = [(path, mode) for mode in ("off", "all") for path in ("full", "masked")]
-    if fused_norms_active(pipe):
+    if fused_norms_active(pipe, with_vae=True):
         variants.append(("full", "stock"))  # eager, torch's GroupNorm: stock diffusers
     for path, mode in variants * 2:  # the second round is the timed one
         req = EditRequest(
