@@ -23,14 +23,13 @@ Why and what it buys: docs/decisions/0013-fused-group-norm.md.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
 from instgenie import env
+from instgenie.engine.kernels import optional_kernel
 
 #: "auto": the Triton kernel on CUDA; "on": also elsewhere (CPU tests under TRITON_INTERPRET=1);
 #: "off": torch's group_norm + silu (stock diffusers). Read at every call (benchmarks toggle it).
@@ -40,13 +39,8 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NHWC = torch.channels_last
 
 
-@functools.cache
 def _kernel():
-    try:
-        from triton_kernels.group_norm import group_norm
-    except Exception:  # triton missing or broken: the torch ops
-        return None
-    return group_norm
+    return optional_kernel("group_norm", "group_norm")
 
 
 class FusedGroupNorm(nn.GroupNorm):

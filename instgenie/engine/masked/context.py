@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import time
 import weakref
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import torch
 from instgenie.cache.loader import PipelinedLoader
 from instgenie.cache.quant import copy_rows
 from instgenie.cache.store import CacheWriter, TemplateHandle
+from instgenie.engine.kernels import optional_kernel
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
     "instgenie_step_context", default=None
@@ -37,13 +37,8 @@ _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
 STEP_COPY = "auto"
 
 
-@functools.cache
 def _step_copy_kernel():
-    try:
-        from triton_kernels.step_copy import copy_step
-    except Exception:  # triton missing or broken: index_select
-        return None
-    return copy_step
+    return optional_kernel("step_copy", "copy_step")
 
 
 def copy_cached_step(src: torch.Tensor, step: torch.Tensor, out: torch.Tensor) -> None:

@@ -10,7 +10,6 @@ stock blocks (tests/test_masked_exact.py).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from instgenie.engine.attention import varlen_attention
+from instgenie.engine.kernels import optional_kernel
 from instgenie.engine.masked.context import JointSet, StepContext
 
 
@@ -40,13 +40,8 @@ def check_supported(block: FluxTransformerBlock | FluxSingleTransformerBlock) ->
 FUSED_ROPE = "auto"
 
 
-@functools.cache
 def _fused_kernel():
-    try:
-        from triton_kernels.rmsnorm_rope import rmsnorm_rope
-    except Exception:  # triton missing or broken: the torch ops
-        return None
-    return rmsnorm_rope
+    return optional_kernel("rmsnorm_rope", "rmsnorm_rope")
 
 
 def _fused(attn: Any, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):

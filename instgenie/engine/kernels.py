@@ -1,0 +1,24 @@
+"""Optional Triton kernels (triton_kernels/), imported on first use.
+
+`optional_kernel` returns the function, or None where Triton is missing or broken; every caller
+then runs the torch ops the kernel replaces, so a machine without a working Triton still serves.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def optional_kernel(module: str, name: str) -> Callable | None:
+    """`module.name` from triton_kernels, or None (logged once) if it cannot be imported."""
+    try:
+        return getattr(importlib.import_module(f"triton_kernels.{module}"), name)
+    except Exception as exc:  # triton missing or broken: the torch ops
+        log.warning("Triton kernel %s.%s unavailable, using torch ops: %s", module, name, exc)
+        return None
