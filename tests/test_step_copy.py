@@ -60,3 +60,14 @@ def test_reads_the_step_at_call_time() -> None:
 def test_rejects_bad_input(src, step, out, err) -> None:
     with pytest.raises(err):
         copy_step(src, step, out)
+
+
+def test_callers_find_their_kernels() -> None:
+    """The engine's optional imports resolve (a wrong name would silently fall back to torch)."""
+    from instgenie.engine import fused_norms
+    from instgenie.engine.masked import context, flux_blocks
+    from triton_kernels import group_norm, rmsnorm_rope, step_copy
+
+    assert context._step_copy_kernel() is step_copy.copy_step
+    assert fused_norms._kernel() is group_norm.group_norm
+    assert flux_blocks._fused_kernel() is rmsnorm_rope.rmsnorm_rope
