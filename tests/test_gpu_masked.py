@@ -143,7 +143,14 @@ def test_group_norm_compiled(dtype: torch.dtype, layout: str) -> None:
     from triton_kernels.group_norm import group_norm, group_norm_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    for shape in [(2, 320, 128, 128), (16, 1280, 32, 32), (1, 128, 512, 512), (2, 2560, 8, 8)]:
+    shapes = [
+        (2, 320, 128, 128),
+        (16, 1280, 32, 32),
+        (1, 128, 512, 512),
+        (2, 2560, 8, 8),
+        (2, 32, 1, 1),
+    ]  # the last: one element per group (integer arguments equal to 1)
+    for shape in shapes:
         x = (2 * torch.randn(shape, device="cuda", generator=g) + 3).to(dtype)
         if layout == "nhwc":
             x = x.to(memory_format=torch.channels_last)

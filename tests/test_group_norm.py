@@ -41,6 +41,7 @@ def _exact(x, groups, w, b, eps, silu):
         ((1, 8, 33, 65), 2, False, True),  # 4 * 2145 = 8580 elements: 3 tiles, the last partial
         ((3, 16, 5), 4, True, False),  # 1-D spatial, no weight/bias
         ((2, 6, 1, 1), 3, True, True),  # 2 elements per group
+        ((2, 6, 1, 1), 6, True, True),  # 1 element per group: y = bias
         ((1, 4, 2 * _BLOCK), 1, False, True),  # whole tiles only
     ],
 )

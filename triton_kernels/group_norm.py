@@ -83,7 +83,7 @@ def _gn_apply_kernel(X, Y, PART, W, B, group_numel, n_tiles, spatial, cg, num_gr
     pm = tl.load(PART + (g * n_tiles + ti) * 2, mask=t_ok, other=0.0)
     pm2 = tl.load(PART + (g * n_tiles + ti) * 2 + 1, mask=t_ok, other=0.0)
     pc = tl.where(t_ok, tl.minimum(group_numel - ti * BLOCK, BLOCK), 0).to(tl.float32)
-    total = group_numel.to(tl.float32)
+    total = group_numel * 1.0  # (not .to(): an argument equal to 1 arrives as a constexpr)
     mean = tl.sum(pc * pm, 0) / total
     dm = pm - mean
     var = (tl.sum(pm2, 0) + tl.sum(pc * dm * dm, 0)) / total
