@@ -164,7 +164,7 @@ def test_group_norm_compiled(dtype: torch.dtype, layout: str) -> None:
             tol = 2 * unit * float(want.abs().max())
             err = float((y.double() - want).abs().max())
             assert err <= tol and err <= float((torch_y.double() - want).abs().max()) + tol
-            assert y.is_contiguous(memory_format=torch.channels_last) == (layout == "nhwc")
+            assert y.stride() == x.stride()  # x's memory format
 
 
 def test_fused_group_norm_in_sdxl_unet_fp16() -> None:
