@@ -29,7 +29,7 @@ from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
 from instgenie import env
-from instgenie.engine.kernels import optional_kernel
+from instgenie.engine.kernels import kernel_enabled, optional_kernel
 
 #: "auto": the Triton kernel on CUDA; "on": also elsewhere (CPU tests under TRITON_INTERPRET=1);
 #: "off": torch's group_norm + silu (stock diffusers). Read at every call (benchmarks toggle it).
@@ -64,7 +64,7 @@ class FusedGroupNorm(nn.GroupNorm):
         return nn.functional.silu(y) if self.silu else y
 
     def _use_kernel(self, x: torch.Tensor):
-        if MODE == "off" or (MODE == "auto" and x.device.type != "cuda"):
+        if not kernel_enabled(MODE, x.device):
             return None
         if x.dtype not in _KERNEL_DTYPES or x.dim() < 2:
             return None

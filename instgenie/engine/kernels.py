@@ -11,7 +11,15 @@ import importlib
 import logging
 from collections.abc import Callable
 
+import torch
+
 log = logging.getLogger(__name__)
+
+
+def kernel_enabled(mode: str, device: torch.device) -> bool:
+    """A kernel switch: "on" everywhere (CPU tests under TRITON_INTERPRET=1), "auto" on CUDA
+    only, "off" never."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 @functools.cache

@@ -24,7 +24,7 @@ import torch
 from instgenie.cache.loader import PipelinedLoader
 from instgenie.cache.quant import copy_rows
 from instgenie.cache.store import CacheWriter, TemplateHandle
-from instgenie.engine.kernels import optional_kernel
+from instgenie.engine.kernels import kernel_enabled, optional_kernel
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
     "instgenie_step_context", default=None
@@ -44,7 +44,7 @@ def _step_copy_kernel():
 def copy_cached_step(src: torch.Tensor, step: torch.Tensor, out: torch.Tensor) -> None:
     """out = src[step[0]] (the step index stays on the device)."""
     kernel = None
-    if STEP_COPY == "on" or (STEP_COPY == "auto" and out.device.type == "cuda"):
+    if kernel_enabled(STEP_COPY, out.device):
         if out.is_contiguous() and src[0].is_contiguous():
             kernel = _step_copy_kernel()
     if kernel is not None:

@@ -23,7 +23,7 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from instgenie.engine.attention import varlen_attention
-from instgenie.engine.kernels import optional_kernel
+from instgenie.engine.kernels import kernel_enabled, optional_kernel
 from instgenie.engine.masked.context import JointSet, StepContext
 
 
@@ -46,7 +46,7 @@ def _fused_kernel():
 
 def _fused(attn: Any, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
     """The fused kernel if it reproduces this block's q/k norms and RoPE here, else None."""
-    if FUSED_ROPE == "off" or (FUSED_ROPE == "auto" and x.device.type != "cuda"):
+    if not kernel_enabled(FUSED_ROPE, x.device):
         return None
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return None
