@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageDraw
 
+from instgenie.engine.adapters.base import AdapterBase
+from instgenie.engine.adapters.sd2_inpaint import SD2Inpaint
+from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint
 from instgenie.engine.pipeline import EditPipeline
 
 FAMILIES = ("sd2-inpaint", "sdxl-inpaint", "flux-fill")
@@ -65,3 +70,40 @@ def tiny_pipeline(family: str) -> EditPipeline:
 @pytest.fixture(params=FAMILIES)
 def family(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+# ---- tiny UNets on CPU, for the fused-kernel module swaps -----------------------------------
+
+
+def tiny_components(adapter: type[AdapterBase]) -> dict:
+    """Random-weight tiny components of a family, float32 on CPU."""
+    return adapter.build_components(
+        "tiny", build=adapter.builder("cpu", torch.float32, frozenset())
+    )
+
+
+@pytest.fixture(params=[SDXLInpaint, SD2Inpaint], ids=["sdxl", "sd2"])
+def unet_pair(request: pytest.FixtureRequest):
+    """(stock tiny UNet, an independent copy to swap modules in)."""
+    unet = tiny_components(request.param)["unet"].eval()
+    return unet, copy.deepcopy(unet)
+
+
+def unet_inputs(unet, seed: int = 0) -> dict:
+    """Random UNet forward arguments: batch 2, two timesteps, 7 text tokens (+ SDXL's added
+    conditioning)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = unet.config
+    s = cfg.sample_size
+    kw = dict(
+        sample=torch.randn(2, cfg.in_channels, s, s, generator=g),
+        timestep=torch.tensor([500.0, 20.0]),
+        encoder_hidden_states=torch.randn(2, 7, cfg.cross_attention_dim, generator=g),
+    )
+    if cfg.addition_embed_type == "text_time":
+        kw["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(2, cfg.projection_class_embeddings_input_dim - 6 * 8,
+                                       generator=g),
+            "time_ids": torch.rand(2, 6, generator=g) * 64,
+        }  # fmt: skip
+    return kw

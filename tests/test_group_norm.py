@@ -14,10 +14,9 @@ import torch  # noqa: E402
 from diffusers.models.resnet import ResnetBlock2D  # noqa: E402
 
 from instgenie.engine import fused_norms  # noqa: E402
-from instgenie.engine.adapters.base import AdapterBase  # noqa: E402
-from instgenie.engine.adapters.sd2_inpaint import SD2Inpaint  # noqa: E402
 from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint  # noqa: E402
 from instgenie.engine.fused_norms import FusedGroupNorm, fuse_group_norms  # noqa: E402
+from tests.conftest import tiny_components, unet_inputs  # noqa: E402
 from triton_kernels.group_norm import _BLOCK, group_norm, group_norm_reference  # noqa: E402
 
 #: one rounding of the output dtype, relative to the largest |output| (the kernel rounds once;
@@ -122,36 +121,6 @@ def test_rejects_bad_input(x, groups, w, err) -> None:
 # ---- the module swap ----------------------------------------------------------------------------
 
 
-def _components(adapter: type[AdapterBase]) -> dict:
-    return adapter.build_components(
-        "tiny", build=adapter.builder("cpu", torch.float32, frozenset())
-    )
-
-
-@pytest.fixture(params=[SDXLInpaint, SD2Inpaint], ids=["sdxl", "sd2"])
-def unet_pair(request):
-    unet = _components(request.param)["unet"].eval()
-    return unet, copy.deepcopy(unet)
-
-
-def _unet_inputs(unet, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    cfg = unet.config
-    s = cfg.sample_size
-    kw = dict(
-        sample=torch.randn(2, cfg.in_channels, s, s, generator=g),
-        timestep=torch.tensor([500.0, 20.0]),
-        encoder_hidden_states=torch.randn(2, 7, cfg.cross_attention_dim, generator=g),
-    )
-    if cfg.addition_embed_type == "text_time":
-        kw["added_cond_kwargs"] = {
-            "text_embeds": torch.randn(2, cfg.projection_class_embeddings_input_dim - 6 * 8,
-                                       generator=g),
-            "time_ids": torch.rand(2, 6, generator=g) * 64,
-        }  # fmt: skip
-    return kw
-
-
 def _swapped(model) -> list[FusedGroupNorm]:
     return [m for m in model.modules() if isinstance(m, FusedGroupNorm)]
 
@@ -179,7 +148,7 @@ def test_swap_off_is_bit_identical_to_stock(unet_pair, monkeypatch) -> None:
     stock, fused = unet_pair
     fuse_group_norms(fused)
     monkeypatch.setattr(fused_norms, "MODE", "off")
-    kw = _unet_inputs(stock)
+    kw = unet_inputs(stock)
     with torch.no_grad():
         want = stock(**kw).sample
         got = fused(**kw).sample
@@ -191,7 +160,7 @@ def test_swap_on_runs_the_kernel_everywhere(unet_pair, monkeypatch) -> None:
     stock, fused = unet_pair
     fuse_group_norms(fused)
     monkeypatch.setattr(fused_norms, "MODE", "on")
-    kw = _unet_inputs(stock, seed=1)
+    kw = unet_inputs(stock, seed=1)
     with torch.no_grad():
         want = stock(**kw).sample
         got = fused(**kw).sample
@@ -200,7 +169,7 @@ def test_swap_on_runs_the_kernel_everywhere(unet_pair, monkeypatch) -> None:
 
 
 def test_vae_swap(monkeypatch) -> None:
-    vae = _components(SDXLInpaint)["vae"].eval()
+    vae = tiny_components(SDXLInpaint)["vae"].eval()
     fused = copy.deepcopy(vae)
     assert fuse_group_norms(fused) > 0
     x = torch.rand(1, 3, 32, 32) * 2 - 1
