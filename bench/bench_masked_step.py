@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from instgenie.engine import fused_norms  # noqa: E402
+from instgenie.engine import fused_geglu, fused_norms  # noqa: E402
 from instgenie.engine.imageio import encode_image  # noqa: E402
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.engine.quality import psnr, ssim  # noqa: E402
@@ -56,26 +56,32 @@ def graphs_mode(pipe: EditPipeline, mode: str):
         graphs.clear()
 
 
+#: the engine's fused-kernel switches (module, class it swaps in) that stock diffusers lacks
+FUSED = ((fused_norms, fused_norms.FusedGroupNorm), (fused_geglu, fused_geglu.FusedGEGLU))
+
+
 @contextlib.contextmanager
 def stock_ops(pipe: EditPipeline):
-    """Stock diffusers execution: eager, torch's GroupNorm/SiLU (engine/fused_norms.py off)."""
-    saved = fused_norms.MODE
-    fused_norms.MODE = "off"
+    """Stock diffusers execution: eager, torch's GroupNorm/SiLU and GEGLU ops (every switch in
+    FUSED off)."""
+    saved = [mod.MODE for mod, _cls in FUSED]
+    for mod, _cls in FUSED:
+        mod.MODE = "off"
     try:
         with graphs_mode(pipe, "off"):
             yield
     finally:
-        fused_norms.MODE = saved
+        for (mod, _cls), mode in zip(FUSED, saved, strict=True):
+            mod.MODE = mode
 
 
-def fused_norms_active(pipe: EditPipeline, with_vae: bool = False) -> bool:
-    """Whether the backbone (and with_vae: the VAE) runs the fused GroupNorm kernel anywhere
+def fused_kernels_active(pipe: EditPipeline, with_vae: bool = False) -> bool:
+    """Whether the backbone (and with_vae: the VAE) runs one of the FUSED kernels anywhere
     (else "stock" columns would repeat the eager ones)."""
     parts = [pipe.family.backbone] + ([pipe.family.vae] if with_vae else [])
-    return (
-        pipe.family.device.type == "cuda"
-        and fused_norms.MODE != "off"
-        and any(isinstance(m, fused_norms.FusedGroupNorm) for p in parts for m in p.modules())
+    return pipe.family.device.type == "cuda" and any(
+        mod.MODE != "off" and any(isinstance(m, cls) for p in parts for m in p.modules())
+        for mod, cls in FUSED
     )
 
 
@@ -145,7 +151,7 @@ def step_rows(pipe, bench, ratios, batches, warmup, iters, log, modes=("off", "a
         full = bench.states(1.0, batch, masked=False)
         f_flops, f_ms = bench.flops(full), timed(pipe, bench, full, warmup, iters, modes)
         stock_ms = None
-        if fused_norms_active(pipe):
+        if fused_kernels_active(pipe):
             with stock_ops(pipe):
                 stock_ms = round(bench.time_ms(full, max(warmup, 3), iters), 3)
         with identity_blocks(pipe), graphs_mode(pipe, "off"):
@@ -202,8 +208,8 @@ def image_level(pipe, size, ratio, steps, log):
            "cache_bytes": pipe.store.meta(key).nbytes}  # fmt: skip
     results = {}
     variants = [(path, mode) for mode in ("off", "all") for path in ("full", "masked")]
-    if fused_norms_active(pipe, with_vae=True):
-        variants.append(("full", "stock"))  # eager, torch's GroupNorm: stock diffusers
+    if fused_kernels_active(pipe, with_vae=True):
+        variants.append(("full", "stock"))  # eager, torch's ops: stock diffusers
     for path, mode in variants * 2:  # the second round is the timed one
         req = EditRequest(
             uid=path, image=png, mask=mask, prompt="a red leather jacket", seed=42,
@@ -290,6 +296,8 @@ def environment(device: torch.device) -> dict:
         except OSError:
             pass
     env["commit"] = commit
+    # the engine's switches (kernels, graphs, layouts) this run was made with
+    env["flags"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("INSTGENIE_")}
     return env
 
 

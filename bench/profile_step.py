@@ -65,12 +65,19 @@ def profile_step(bench: StepBench, states, top: int) -> dict:
             d[key][1] += 1
     kernel_ms = sum(v[0] for v in by_cat.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    # the torch ops that launched the kernels (eager only: a graph replay is one op)
+    ops = sorted(prof.key_averages(), key=lambda a: -a.self_device_time_total)[:top]
     return {
         "wall_ms": round(wall_ms, 3),
         "kernel_ms": round(kernel_ms, 3),
         "kernels": int(sum(v[1] for v in by_cat.values())),
         "categories": {k: [round(v[0], 3), v[1]] for k, v in sorted(by_cat.items())},
         "top": [[k, round(v[0], 3), v[1]] for k, v in ranked],
+        "top_ops": [
+            [a.key[:60], round(a.self_device_time_total / 1e3, 3), a.count]
+            for a in ops
+            if a.self_device_time_total > 0
+        ],  # fmt: skip
     }
 
 

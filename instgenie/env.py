@@ -28,13 +28,23 @@ def cudnn_benchmark() -> bool:
     return os.environ.get("INSTGENIE_CUDNN_BENCHMARK", "0").strip() in ("1", "true", "yes")
 
 
+def _kernel_mode(name: str) -> str:
+    mode = os.environ.get(name, "auto").strip().lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"{name}={mode!r}: expected auto, on or off")
+    return mode
+
+
 def fused_group_norm() -> str:
     """INSTGENIE_FUSED_GROUPNORM: auto (default: the Triton GroupNorm+SiLU kernel on CUDA) | on
     (also elsewhere, e.g. CPU under TRITON_INTERPRET=1) | off (torch's ops, stock diffusers)."""
-    mode = os.environ.get("INSTGENIE_FUSED_GROUPNORM", "auto").strip().lower()
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"INSTGENIE_FUSED_GROUPNORM={mode!r}: expected auto, on or off")
-    return mode
+    return _kernel_mode("INSTGENIE_FUSED_GROUPNORM")
+
+
+def fused_geglu() -> str:
+    """INSTGENIE_FUSED_GEGLU: auto (default: GEGLU's gating as one Triton kernel on CUDA) | on
+    (also elsewhere) | off (torch's chunk, gelu and mul: stock diffusers)."""
+    return _kernel_mode("INSTGENIE_FUSED_GEGLU")
 
 
 def log_level() -> str:

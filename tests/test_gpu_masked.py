@@ -167,16 +167,33 @@ def test_group_norm_compiled(dtype: torch.dtype, layout: str) -> None:
             assert y.stride() == x.stride()  # x's memory format
 
 
-def test_fused_group_norm_in_sdxl_unet_fp16() -> None:
-    """The swapped SDXL UNet (tiny, fp16, CUDA) runs the kernel in every swapped module and
-    matches the stock ops (MODE off) to fp16 rounding."""
-    from instgenie.engine import fused_norms
-    from instgenie.engine.fused_norms import FusedGroupNorm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_geglu_compiled(dtype: torch.dtype) -> None:
+    """The compiled GEGLU gating kernel at SDXL feed-forward shapes against torch's chunk, gelu
+    and mul: the same two roundings, so at most one output ulp apart, and rarely."""
+    from triton_kernels.geglu import geglu, geglu_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in [(16, 1024, 2 * 5120), (2, 4096, 2 * 2560), (3, 77, 2 * 640)]:
+        p = (3 * torch.randn(shape, device="cuda", generator=g)).to(dtype)
+        out, want = geglu(p), geglu_reference(p)
+        assert out.shape == want.shape and out.dtype == dtype
+        unit = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 2e-6}[dtype]
+        diff = (out.double() - want.double()).abs()
+        assert float(diff.max()) <= unit * float(want.abs().max())
+        assert float((diff > 0).double().mean()) < (1e-3 if dtype != torch.float32 else 0.5)
+
+
+def test_fused_kernels_in_sdxl_unet_fp16() -> None:
+    """The swapped SDXL UNet (tiny, fp16, CUDA) runs the GroupNorm and GEGLU kernels in every
+    swapped module and matches the stock ops (both switches off) to fp16 rounding."""
+    from instgenie.engine import fused_geglu, fused_norms
 
     pipe = EditPipeline.load("sdxl-inpaint:tiny", device="cuda", dtype="fp16")
     unet = pipe.family.unet
-    swapped = [m for m in unet.modules() if isinstance(m, FusedGroupNorm)]
-    assert swapped
+    swapped = [m for m in unet.modules()
+               if isinstance(m, (fused_norms.FusedGroupNorm, fused_geglu.FusedGEGLU))]  # fmt: skip
+    assert {type(m) for m in swapped} == {fused_norms.FusedGroupNorm, fused_geglu.FusedGEGLU}
     g = torch.Generator(device="cuda").manual_seed(1)
     cfg = unet.config
     s = cfg.sample_size
@@ -191,15 +208,15 @@ def test_fused_group_norm_in_sdxl_unet_fp16() -> None:
             "time_ids": (torch.rand(2, 6, device="cuda", generator=g) * 64).half(),
         },
     )  # fmt: skip
-    saved = fused_norms.MODE
+    saved = fused_norms.MODE, fused_geglu.MODE
     try:
         with torch.no_grad():
-            fused_norms.MODE = "auto"
+            fused_norms.MODE = fused_geglu.MODE = "auto"
             got = unet(**kw).sample
-            fused_norms.MODE = "off"
+            fused_norms.MODE = fused_geglu.MODE = "off"
             want = unet(**kw).sample
     finally:
-        fused_norms.MODE = saved
+        fused_norms.MODE, fused_geglu.MODE = saved
     assert all(m.kernel_calls == 1 for m in swapped)
     assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
 

@@ -15,6 +15,7 @@ from diffusers import DiffusionPipeline
 
 from instgenie.engine.build import build_seeded
 from instgenie.engine.family import ModelSpec
+from instgenie.engine.fused_geglu import fuse_geglu
 from instgenie.engine.fused_norms import fuse_group_norms
 from instgenie.engine.masked.executor import MaskedExecutor
 from instgenie.errors import ModelLoadError, ValidationError
@@ -78,6 +79,8 @@ class AdapterBase:
         for part in (self.backbone, getattr(pipe, "vae", None)):
             if part is not None:
                 fuse_group_norms(part)
+        # GEGLU's chunk + gelu + mul of SDXL/SD2 feed-forwards as one Triton pass on CUDA
+        fuse_geglu(self.backbone)
         #: hooks every transformer block; inert unless a step needs masked execution or capture
         self.masked = MaskedExecutor(self.backbone, device)
 
