@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from instgenie.engine import fused_geglu, fused_norms  # noqa: E402
+from instgenie.engine import fused_conv, fused_geglu, fused_norms  # noqa: E402
 from instgenie.engine.imageio import encode_image  # noqa: E402
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.engine.quality import psnr, ssim  # noqa: E402
@@ -57,13 +57,17 @@ def graphs_mode(pipe: EditPipeline, mode: str):
 
 
 #: the engine's fused-kernel switches (module, class it swaps in) that stock diffusers lacks
-FUSED = ((fused_norms, fused_norms.FusedGroupNorm), (fused_geglu, fused_geglu.FusedGEGLU))
+FUSED = (
+    (fused_norms, fused_norms.FusedGroupNorm),
+    (fused_geglu, fused_geglu.FusedGEGLU),
+    (fused_conv, fused_conv.BiasKernelConv2d),
+)
 
 
 @contextlib.contextmanager
 def stock_ops(pipe: EditPipeline):
-    """Stock diffusers execution: eager, torch's GroupNorm/SiLU and GEGLU ops (every switch in
-    FUSED off)."""
+    """Stock diffusers execution: eager, torch's GroupNorm/SiLU, GEGLU and conv-bias ops (every
+    switch in FUSED off)."""
     saved = [mod.MODE for mod, _cls in FUSED]
     for mod, _cls in FUSED:
         mod.MODE = "off"

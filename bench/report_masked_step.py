@@ -39,8 +39,8 @@ def render(path: str) -> str:
             "against the eager full step and against the graphed full step"
             + (
                 "; *stock* = the full step as stock diffusers runs it (eager, torch's "
-                "GroupNorm/SiLU and GEGLU: INSTGENIE_FUSED_GROUPNORM=off, "
-                "INSTGENIE_FUSED_GEGLU=off)."
+                "GroupNorm/SiLU, GEGLU and conv bias: INSTGENIE_FUSED_GROUPNORM=off, "
+                "INSTGENIE_FUSED_GEGLU=off, INSTGENIE_FUSED_CONV_BIAS=off)."
                 if stock
                 else " (the eager full step is stock diffusers execution)."
             ),

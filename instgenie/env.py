@@ -47,6 +47,12 @@ def fused_geglu() -> str:
     return _kernel_mode("INSTGENIE_FUSED_GEGLU")
 
 
+def fused_conv_bias() -> str:
+    """INSTGENIE_FUSED_CONV_BIAS: auto (default: Conv2d biases added by a vectorised Triton
+    kernel on CUDA) | on (also elsewhere) | off (torch's biased convolution: stock diffusers)."""
+    return _kernel_mode("INSTGENIE_FUSED_CONV_BIAS")
+
+
 def log_level() -> str:
     """INSTGENIE_LOG_LEVEL: logging level of worker processes (default WARNING)."""
     return os.environ.get("INSTGENIE_LOG_LEVEL", "WARNING").strip().upper()

@@ -184,16 +184,36 @@ def test_geglu_compiled(dtype: torch.dtype) -> None:
         assert float((diff > 0).double().mean()) < (1e-3 if dtype != torch.float32 else 0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_conv_bias_compiled_is_bit_identical(dtype: torch.dtype) -> None:
+    """cuDNN's unbiased convolution + the compiled bias kernel equals torch's biased Conv2d bit
+    for bit at SDXL UNet/VAE shapes (torch adds the bias with one float32 add_ as well)."""
+    from instgenie.engine import fused_conv
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, cin, cout, hw, k in [(2, 320, 320, 128, 3), (16, 1280, 1280, 32, 3),
+                                (2, 640, 1280, 64, 1), (1, 4, 320, 128, 3)]:  # fmt: skip
+        conv = torch.nn.Conv2d(cin, cout, k, padding=k // 2).to("cuda", dtype)
+        with torch.no_grad():
+            conv.bias.normal_(0, 1, generator=g)
+            x = torch.randn(n, cin, hw, hw, device="cuda", generator=g).to(dtype)
+            want = conv(x)
+            swapped = fused_conv.BiasKernelConv2d(conv)
+            got = swapped(x)
+        assert swapped.kernel_calls == 1
+        assert torch.equal(got, want)
+
+
 def test_fused_kernels_in_sdxl_unet_fp16() -> None:
-    """The swapped SDXL UNet (tiny, fp16, CUDA) runs the GroupNorm and GEGLU kernels in every
-    swapped module and matches the stock ops (both switches off) to fp16 rounding."""
-    from instgenie.engine import fused_geglu, fused_norms
+    """The swapped SDXL UNet (tiny, fp16, CUDA) runs the GroupNorm, GEGLU and conv-bias kernels
+    in every swapped module and matches the stock ops (switches off) to fp16 rounding."""
+    from instgenie.engine import fused_conv, fused_geglu, fused_norms
 
     pipe = EditPipeline.load("sdxl-inpaint:tiny", device="cuda", dtype="fp16")
     unet = pipe.family.unet
-    swapped = [m for m in unet.modules()
-               if isinstance(m, (fused_norms.FusedGroupNorm, fused_geglu.FusedGEGLU))]  # fmt: skip
-    assert {type(m) for m in swapped} == {fused_norms.FusedGroupNorm, fused_geglu.FusedGEGLU}
+    kinds = (fused_norms.FusedGroupNorm, fused_geglu.FusedGEGLU, fused_conv.BiasKernelConv2d)
+    swapped = [m for m in unet.modules() if isinstance(m, kinds)]
+    assert {type(m) for m in swapped} == set(kinds)
     g = torch.Generator(device="cuda").manual_seed(1)
     cfg = unet.config
     s = cfg.sample_size
@@ -208,15 +228,19 @@ def test_fused_kernels_in_sdxl_unet_fp16() -> None:
             "time_ids": (torch.rand(2, 6, device="cuda", generator=g) * 64).half(),
         },
     )  # fmt: skip
-    saved = fused_norms.MODE, fused_geglu.MODE
+    switches = (fused_norms, fused_geglu, fused_conv)
+    saved = [mod.MODE for mod in switches]
     try:
         with torch.no_grad():
-            fused_norms.MODE = fused_geglu.MODE = "auto"
+            for mod in switches:
+                mod.MODE = "auto"
             got = unet(**kw).sample
-            fused_norms.MODE = fused_geglu.MODE = "off"
+            for mod in switches:
+                mod.MODE = "off"
             want = unet(**kw).sample
     finally:
-        fused_norms.MODE, fused_geglu.MODE = saved
+        for mod, mode in zip(switches, saved, strict=True):
+            mod.MODE = mode
     assert all(m.kernel_calls == 1 for m in swapped)
     assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
 

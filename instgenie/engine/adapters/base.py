@@ -15,6 +15,7 @@ from diffusers import DiffusionPipeline
 
 from instgenie.engine.build import build_seeded
 from instgenie.engine.family import ModelSpec
+from instgenie.engine.fused_conv import fuse_conv_bias
 from instgenie.engine.fused_geglu import fuse_geglu
 from instgenie.engine.fused_norms import fuse_group_norms
 from instgenie.engine.masked.executor import MaskedExecutor
@@ -79,6 +80,7 @@ class AdapterBase:
         for part in (self.backbone, getattr(pipe, "vae", None)):
             if part is not None:
                 fuse_group_norms(part)
+                fuse_conv_bias(part)  # Conv2d biases by a vectorised kernel on CUDA
         # GEGLU's chunk + gelu + mul of SDXL/SD2 feed-forwards as one Triton pass on CUDA
         fuse_geglu(self.backbone)
         #: hooks every transformer block; inert unless a step needs masked execution or capture

@@ -1,0 +1,156 @@
+"""Conv-bias Triton kernel vs torch's add_, and the Conv2d swap in diffusers UNets/VAEs (CPU:
+TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from instgenie.engine import fused_conv  # noqa: E402
+from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint  # noqa: E402
+from instgenie.engine.fused_conv import BiasKernelConv2d, fuse_conv_bias  # noqa: E402
+from tests.conftest import tiny_components, unet_inputs  # noqa: E402
+from triton_kernels.bias_add import (  # noqa: E402
+    _MAX_BLOCK,
+    add_channel_bias_,
+    add_channel_bias_reference,
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2, 3, 5, 7),  # one partial tile per plane
+        (1, 4, 3 * _MAX_BLOCK // 64, 64 + 1),  # several tiles per plane, the last partial
+        (3, 2, 8),  # 1-D spatial
+        (2, 5, 1, 1),  # one element per plane
+    ],
+)
+def test_matches_torch_add(shape, dtype) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    y = (10 * torch.randn(shape, generator=g)).to(dtype)
+    b = (10 * torch.randn(shape[1], generator=g)).to(dtype)
+    want = add_channel_bias_reference(y.clone(), b)
+    got = y.clone()
+    assert add_channel_bias_(got, b) is not None
+    if dtype == torch.bfloat16:
+        # Triton's CPU interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest and
+        # is bit-identical there: tests/test_gpu_masked.py): at most one ulp
+        ulp = 2**-7 * want.float().abs().clamp_min(2**-126)
+        assert bool(((got.float() - want.float()).abs() <= ulp).all())
+    else:
+        assert torch.equal(got, want)  # one float32 add, one rounding: exactly torch's
+
+
+def test_in_place_and_empty() -> None:
+    y = torch.zeros(2, 3, 4, 4)
+    out = add_channel_bias_(y, torch.tensor([1.0, 2.0, 3.0]))
+    assert out.data_ptr() == y.data_ptr() and float(y[1, 2, 3, 3]) == 3.0
+    assert add_channel_bias_(torch.zeros(0, 3, 4, 4), torch.ones(3)).shape == (0, 3, 4, 4)
+
+
+@pytest.mark.parametrize(
+    "y, b, err",
+    [
+        (torch.zeros(2, 3, 4, 4), torch.zeros(4), ValueError),  # bias shape
+        (torch.zeros(2, 3, 4, 4).transpose(2, 3), torch.zeros(3), ValueError),  # not contiguous
+        (torch.zeros(2, 3, 4, 4), torch.zeros(3, dtype=torch.float16), TypeError),  # dtypes
+        (torch.zeros(3), torch.zeros(3), ValueError),  # no channel dim
+    ],
+)
+def test_rejects_bad_input(y, b, err) -> None:
+    with pytest.raises(err):
+        add_channel_bias_(y, b)
+
+
+# ---- the module swap ----------------------------------------------------------------------------
+
+
+def _swapped(model) -> list[BiasKernelConv2d]:
+    return [m for m in model.modules() if isinstance(m, BiasKernelConv2d)]
+
+
+def test_swap_keeps_parameters_and_counts(unet_pair) -> None:
+    stock, fused = unet_pair
+    keys = {k: v.data_ptr() for k, v in fused.state_dict().items()}
+    biased = sum(type(m) is nn.Conv2d and m.bias is not None for m in fused.modules())
+    assert biased > 0
+    assert fuse_conv_bias(fused) == biased == len(_swapped(fused))
+    assert {k: v.data_ptr() for k, v in fused.state_dict().items()} == keys  # same tensors
+    assert fuse_conv_bias(fused) == 0  # idempotent
+    for a, b in zip(stock.modules(), fused.modules(), strict=True):
+        if isinstance(a, nn.Conv2d):  # same geometry
+            assert (a.stride, a.padding, a.kernel_size, a.groups) == (
+                b.stride, b.padding, b.kernel_size, b.groups
+            )  # fmt: skip
+
+
+def test_swap_off_is_bit_identical_to_stock(unet_pair, monkeypatch) -> None:
+    stock, fused = unet_pair
+    fuse_conv_bias(fused)
+    monkeypatch.setattr(fused_conv, "MODE", "off")
+    kw = unet_inputs(stock)
+    with torch.no_grad():
+        assert torch.equal(fused(**kw).sample, stock(**kw).sample)
+    assert all(m.kernel_calls == 0 for m in _swapped(fused))
+
+
+def test_swap_on_runs_the_kernel_everywhere(unet_pair, monkeypatch) -> None:
+    stock, fused = unet_pair
+    fuse_conv_bias(fused)
+    monkeypatch.setattr(fused_conv, "MODE", "on")
+    kw = unet_inputs(stock, seed=1)
+    with torch.no_grad():
+        want = stock(**kw).sample
+        got = fused(**kw).sample
+    assert all(m.kernel_calls == 1 for m in _swapped(fused))
+    # CPU convolutions add the bias inside the GEMM (one rounding fewer): float32 noise only
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_vae_swap_and_channels_last_fallback(monkeypatch) -> None:
+    vae = tiny_components(SDXLInpaint)["vae"].eval()
+    fused = copy.deepcopy(vae)
+    assert fuse_conv_bias(fused) > 0
+    x = torch.rand(1, 3, 32, 32) * 2 - 1
+    monkeypatch.setattr(fused_conv, "MODE", "on")
+    with torch.no_grad():
+        lat = vae.encode(x).latent_dist.mode()
+        want = vae.decode(lat).sample
+        got = fused.decode(lat).sample
+        conv = fused.decoder.conv_in
+        calls = conv.kernel_calls
+        nhwc = conv(lat.to(memory_format=torch.channels_last))  # torch's add, not the kernel
+        assert conv.kernel_calls == calls
+        torch.testing.assert_close(nhwc, vae.decoder.conv_in(lat), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_families_install_it() -> None:
+    from tests.conftest import tiny_pipeline
+
+    for family in ("sd2-inpaint", "sdxl-inpaint", "flux-fill"):
+        fam = tiny_pipeline(family).family
+        assert _swapped(fam.vae)
+        if family != "flux-fill":  # Flux's transformer has no convolutions
+            assert _swapped(fam.unet)
+
+
+def test_env_flag(monkeypatch) -> None:
+    from instgenie import env
+
+    monkeypatch.setenv("INSTGENIE_FUSED_CONV_BIAS", "OFF")
+    assert env.fused_conv_bias() == "off"
+    monkeypatch.delenv("INSTGENIE_FUSED_CONV_BIAS")
+    assert env.fused_conv_bias() == "auto"
+    monkeypatch.setenv("INSTGENIE_FUSED_CONV_BIAS", "yes")
+    with pytest.raises(ValueError, match="INSTGENIE_FUSED_CONV_BIAS"):
+        env.fused_conv_bias()
