@@ -170,7 +170,8 @@ def test_group_norm_compiled(dtype: torch.dtype, layout: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_geglu_compiled(dtype: torch.dtype) -> None:
     """The compiled GEGLU gating kernel at SDXL feed-forward shapes against torch's chunk, gelu
-    and mul: the same two roundings, so at most one output ulp apart, and rarely."""
+    and mul. Per element: one output ulp, plus the float32 absolute error of 1 + erf(g / sqrt 2)
+    (|g| * 2**-23 in gelu, times |h|), where torch's normcdf stays relative-accurate."""
     from triton_kernels.geglu import geglu, geglu_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -178,10 +179,10 @@ def test_geglu_compiled(dtype: torch.dtype) -> None:
         p = (3 * torch.randn(shape, device="cuda", generator=g)).to(dtype)
         out, want = geglu(p), geglu_reference(p)
         assert out.shape == want.shape and out.dtype == dtype
-        unit = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 2e-6}[dtype]
-        diff = (out.double() - want.double()).abs()
-        assert float(diff.max()) <= unit * float(want.abs().max())
-        assert float((diff > 0).double().mean()) < (1e-3 if dtype != torch.float32 else 0.5)
+        h, gate = p.double().chunk(2, dim=-1)
+        unit = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 2**-22}[dtype]
+        bound = unit * want.double().abs() + 2**-22 * (h * gate).abs() + 2**-24
+        assert bool(((out.double() - want.double()).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
