@@ -170,8 +170,9 @@ def test_group_norm_compiled(dtype: torch.dtype, layout: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_geglu_compiled(dtype: torch.dtype) -> None:
     """The compiled GEGLU gating kernel at SDXL feed-forward shapes against torch's chunk, gelu
-    and mul. Per element: one output ulp, plus the float32 absolute error of 1 + erf(g / sqrt 2)
-    (|g| * 2**-23 in gelu, times |h|), where torch's normcdf stays relative-accurate."""
+    and mul. Per element: two output ulps (gelu's rounding and the product's may each flip),
+    plus the float32 absolute error of 1 + erf(g / sqrt 2) (|g| * 2**-23 in gelu, times |h|),
+    where torch's normcdf stays relative-accurate."""
     from triton_kernels.geglu import geglu, geglu_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -181,7 +182,7 @@ def test_geglu_compiled(dtype: torch.dtype) -> None:
         assert out.shape == want.shape and out.dtype == dtype
         h, gate = p.double().chunk(2, dim=-1)
         unit = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 2**-22}[dtype]
-        bound = unit * want.double().abs() + 2**-22 * (h * gate).abs() + 2**-24
+        bound = 2 * unit * want.double().abs() + 2**-22 * (h * gate).abs() + 2**-23
         assert bool(((out.double() - want.double()).abs() <= bound).all())
 
 

@@ -14,9 +14,10 @@ docs/benchmarks/masked-step-h200.md).
 Numerics: the same roundings as torch's two ops — gelu in float32, rounded to p's dtype, then the
 product in float32, rounded again. gelu is 0.5 * g * (1 + erf(g / sqrt(2))) (libdevice's erf on
 the GPU; the CPU interpreter has no erfc/normcdf); torch's CUDA kernel computes g * normcdf(g),
-which keeps relative accuracy far into the negative tail. The two differ by at most |g| * 2**-23
-in float32 before the output rounding: at SDXL shapes 2 % of fp16 (1.3 % of bf16) outputs differ
-from torch's by one ulp, all of them small values (H200, tests/test_gpu_masked.py).
+which keeps relative accuracy far into the negative tail. The two gelus differ by at most
+|g| * 2**-23 in float32; after the two roundings, at SDXL shapes 2 % of fp16 (1.3 % of bf16)
+outputs differ from torch's, each by at most two ulps plus |h * g| * 2**-22 (H200,
+tests/test_gpu_masked.py).
 `geglu_reference` (torch's ops) is what runs where Triton cannot.
 """
 
