@@ -107,3 +107,19 @@ def unet_inputs(unet, seed: int = 0) -> dict:
             "time_ids": torch.rand(2, 6, generator=g) * 64,
         }  # fmt: skip
     return kw
+
+
+def swapped_unet_run(unet_pair, fuse, switch, kind, mode: str, monkeypatch, seed: int = 0):
+    """Swap modules into the second UNet of `unet_pair` with `fuse`, set `switch.MODE` to
+    `mode`, run both UNets on the same inputs. Returns (swapped output, stock output, kernel
+    call count of every swapped module of type `kind`)."""
+    stock, fused = unet_pair
+    fuse(fused)
+    monkeypatch.setattr(switch, "MODE", mode)
+    kw = unet_inputs(stock, seed=seed)
+    with torch.no_grad():
+        want = stock(**kw).sample
+        got = fused(**kw).sample
+    calls = [m.kernel_calls for m in fused.modules() if isinstance(m, kind)]
+    assert calls, f"no {kind.__name__} in the UNet"
+    return got, want, calls

@@ -16,7 +16,7 @@ from torch import nn  # noqa: E402
 from instgenie.engine import fused_conv  # noqa: E402
 from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint  # noqa: E402
 from instgenie.engine.fused_conv import BiasKernelConv2d, fuse_conv_bias  # noqa: E402
-from tests.conftest import tiny_components, unet_inputs  # noqa: E402
+from tests.conftest import swapped_unet_run, tiny_components  # noqa: E402
 from triton_kernels.bias_add import (  # noqa: E402
     _MAX_BLOCK,
     add_channel_bias_,
@@ -94,24 +94,18 @@ def test_swap_keeps_parameters_and_counts(unet_pair) -> None:
 
 
 def test_swap_off_is_bit_identical_to_stock(unet_pair, monkeypatch) -> None:
-    stock, fused = unet_pair
-    fuse_conv_bias(fused)
-    monkeypatch.setattr(fused_conv, "MODE", "off")
-    kw = unet_inputs(stock)
-    with torch.no_grad():
-        assert torch.equal(fused(**kw).sample, stock(**kw).sample)
-    assert all(m.kernel_calls == 0 for m in _swapped(fused))
+    got, want, calls = swapped_unet_run(
+        unet_pair, fuse_conv_bias, fused_conv, BiasKernelConv2d, "off", monkeypatch
+    )
+    assert torch.equal(got, want)
+    assert set(calls) == {0}
 
 
 def test_swap_on_runs_the_kernel_everywhere(unet_pair, monkeypatch) -> None:
-    stock, fused = unet_pair
-    fuse_conv_bias(fused)
-    monkeypatch.setattr(fused_conv, "MODE", "on")
-    kw = unet_inputs(stock, seed=1)
-    with torch.no_grad():
-        want = stock(**kw).sample
-        got = fused(**kw).sample
-    assert all(m.kernel_calls == 1 for m in _swapped(fused))
+    got, want, calls = swapped_unet_run(
+        unet_pair, fuse_conv_bias, fused_conv, BiasKernelConv2d, "on", monkeypatch, 1
+    )
+    assert set(calls) == {1}
     # CPU convolutions add the bias inside the GEMM (one rounding fewer): float32 noise only
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 

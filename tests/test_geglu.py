@@ -13,7 +13,7 @@ from diffusers.models.activations import GEGLU  # noqa: E402
 
 from instgenie.engine import fused_geglu  # noqa: E402
 from instgenie.engine.fused_geglu import FusedGEGLU, fuse_geglu  # noqa: E402
-from tests.conftest import unet_inputs  # noqa: E402
+from tests.conftest import swapped_unet_run  # noqa: E402
 from triton_kernels.geglu import _MAX_BLOCK, geglu, geglu_reference  # noqa: E402
 
 #: relative to the largest |output|: the output rounding (half an ulp), plus erf's last float32
@@ -100,24 +100,18 @@ def test_swap_keeps_parameters_and_counts(unet_pair) -> None:
 
 
 def test_swap_off_is_bit_identical_to_stock(unet_pair, monkeypatch) -> None:
-    stock, fused = unet_pair
-    fuse_geglu(fused)
-    monkeypatch.setattr(fused_geglu, "MODE", "off")
-    kw = unet_inputs(stock)
-    with torch.no_grad():
-        assert torch.equal(fused(**kw).sample, stock(**kw).sample)
-    assert all(m.kernel_calls == 0 for m in _swapped(fused))
+    got, want, calls = swapped_unet_run(
+        unet_pair, fuse_geglu, fused_geglu, FusedGEGLU, "off", monkeypatch
+    )
+    assert torch.equal(got, want)
+    assert set(calls) == {0}
 
 
 def test_swap_on_runs_the_kernel_everywhere(unet_pair, monkeypatch) -> None:
-    stock, fused = unet_pair
-    fuse_geglu(fused)
-    monkeypatch.setattr(fused_geglu, "MODE", "on")
-    kw = unet_inputs(stock, seed=1)
-    with torch.no_grad():
-        want = stock(**kw).sample
-        got = fused(**kw).sample
-    assert all(m.kernel_calls == 1 for m in _swapped(fused))
+    got, want, calls = swapped_unet_run(
+        unet_pair, fuse_geglu, fused_geglu, FusedGEGLU, "on", monkeypatch, 1
+    )
+    assert set(calls) == {1}
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 

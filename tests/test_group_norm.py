@@ -16,7 +16,7 @@ from diffusers.models.resnet import ResnetBlock2D  # noqa: E402
 from instgenie.engine import fused_norms  # noqa: E402
 from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint  # noqa: E402
 from instgenie.engine.fused_norms import FusedGroupNorm, fuse_group_norms  # noqa: E402
-from tests.conftest import tiny_components, unet_inputs  # noqa: E402
+from tests.conftest import swapped_unet_run, tiny_components  # noqa: E402
 from triton_kernels.group_norm import _BLOCK, group_norm, group_norm_reference  # noqa: E402
 
 #: one rounding of the output dtype, relative to the largest |output| (the kernel rounds once;
@@ -145,26 +145,18 @@ def test_swap_keeps_parameters_and_counts(unet_pair) -> None:
 def test_swap_off_is_bit_identical_to_stock(unet_pair, monkeypatch) -> None:
     """MODE off runs torch's ops: the swapped UNet equals stock diffusers bit for bit (this also
     checks that the time embedding still goes through SiLU, via the pre-hook)."""
-    stock, fused = unet_pair
-    fuse_group_norms(fused)
-    monkeypatch.setattr(fused_norms, "MODE", "off")
-    kw = unet_inputs(stock)
-    with torch.no_grad():
-        want = stock(**kw).sample
-        got = fused(**kw).sample
+    got, want, calls = swapped_unet_run(
+        unet_pair, fuse_group_norms, fused_norms, FusedGroupNorm, "off", monkeypatch
+    )
     assert torch.equal(got, want)
-    assert all(m.kernel_calls == 0 for m in _swapped(fused))
+    assert set(calls) == {0}
 
 
 def test_swap_on_runs_the_kernel_everywhere(unet_pair, monkeypatch) -> None:
-    stock, fused = unet_pair
-    fuse_group_norms(fused)
-    monkeypatch.setattr(fused_norms, "MODE", "on")
-    kw = unet_inputs(stock, seed=1)
-    with torch.no_grad():
-        want = stock(**kw).sample
-        got = fused(**kw).sample
-    assert all(m.kernel_calls == 1 for m in _swapped(fused))
+    got, want, calls = swapped_unet_run(
+        unet_pair, fuse_group_norms, fused_norms, FusedGroupNorm, "on", monkeypatch, 1
+    )
+    assert set(calls) == {1}
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
