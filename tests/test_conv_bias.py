@@ -37,10 +37,30 @@ from triton_kernels.bias_add import (  # noqa: E402
 def test_matches_torch_add(shape, dtype) -> None:
     g = torch.Generator().manual_seed(sum(shape))
     y = (10 * torch.randn(shape, generator=g)).to(dtype)
-    b = (10 * torch.randn(shape[1], generator=g)).to(dtype)
+    _check_bias_add(y, (10 * torch.randn(shape[1], generator=g)).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2, 3, 5, 7),  # one tile
+        (1, 300, 4, 5),  # two channel tiles, the second partial
+        (3, 64, 9, 9),  # several row tiles, the last partial
+    ],
+)
+def test_channels_last_matches_torch_add(shape, dtype) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    y = (10 * torch.randn(shape, generator=g)).to(dtype).to(memory_format=torch.channels_last)
+    assert not y.is_contiguous()
+    _check_bias_add(y, (10 * torch.randn(shape[1], generator=g)).to(dtype))
+
+
+def _check_bias_add(y: torch.Tensor, b: torch.Tensor) -> None:
+    dtype = y.dtype
     want = add_channel_bias_reference(y.clone(), b)
     got = y.clone()
-    assert add_channel_bias_(got, b) is not None
+    assert add_channel_bias_(got, b) is got
     if dtype == torch.bfloat16:
         # Triton's CPU interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest and
         # is bit-identical there: tests/test_gpu_masked.py): at most one ulp
@@ -110,7 +130,7 @@ def test_swap_on_runs_the_kernel_everywhere(unet_pair, monkeypatch) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-def test_vae_swap_and_channels_last_fallback(monkeypatch) -> None:
+def test_vae_swap_and_channels_last(monkeypatch) -> None:
     vae = tiny_components(SDXLInpaint)["vae"].eval()
     fused = copy.deepcopy(vae)
     assert fuse_conv_bias(fused) > 0
@@ -122,8 +142,9 @@ def test_vae_swap_and_channels_last_fallback(monkeypatch) -> None:
         got = fused.decode(lat).sample
         conv = fused.decoder.conv_in
         calls = conv.kernel_calls
-        nhwc = conv(lat.to(memory_format=torch.channels_last))  # torch's add, not the kernel
-        assert conv.kernel_calls == calls
+        nhwc = conv(lat.to(memory_format=torch.channels_last))  # the channels_last kernel
+        assert conv.kernel_calls == calls + 1
+        assert nhwc.is_contiguous(memory_format=torch.channels_last)
         torch.testing.assert_close(nhwc, vae.decoder.conv_in(lat), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

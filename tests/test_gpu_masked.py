@@ -189,7 +189,8 @@ def test_geglu_compiled(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_conv_bias_compiled_is_bit_identical(dtype: torch.dtype) -> None:
     """cuDNN's unbiased convolution + the compiled bias kernel equals torch's biased Conv2d bit
-    for bit at SDXL UNet/VAE shapes (torch adds the bias with one float32 add_ as well)."""
+    for bit at SDXL UNet/VAE shapes, NCHW and channels_last (torch adds the bias with one
+    float32 add_ as well)."""
     from instgenie.engine import fused_conv
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -199,11 +200,15 @@ def test_conv_bias_compiled_is_bit_identical(dtype: torch.dtype) -> None:
         with torch.no_grad():
             conv.bias.normal_(0, 1, generator=g)
             x = torch.randn(n, cin, hw, hw, device="cuda", generator=g).to(dtype)
-            want = conv(x)
             swapped = fused_conv.BiasKernelConv2d(conv)
-            got = swapped(x)
-        assert swapped.kernel_calls == 1
-        assert torch.equal(got, want)
+            for fmt in (torch.contiguous_format, torch.channels_last):  # both kernels
+                conv.to(memory_format=fmt)
+                xf = x.contiguous(memory_format=fmt)
+                want = conv(xf)
+                got = swapped(xf)
+                assert got.is_contiguous(memory_format=fmt)
+                assert torch.equal(got, want)
+        assert swapped.kernel_calls == 2
 
 
 def test_fused_kernels_in_sdxl_unet_fp16() -> None:

@@ -5,8 +5,8 @@ holding the same weight and bias Parameters (same state_dict keys). On CUDA, tor
 such a convolution as cuDNN's unbiased convolution followed by a broadcast `add_` — a strided,
 non-vectorised kernel (triton_kernels/bias_add.py); here the same convolution runs without bias
 and the kernel adds it in place, with the same single rounding: bit-identical outputs (tested on
-the device). Where the kernel does not run (MODE, CPU, a channels_last output) the stock module
-forward runs. Why and what it buys: docs/decisions/0015-conv-bias-kernel.md.
+the device), for NCHW and channels_last outputs. Where the kernel does not run (MODE, CPU) the
+stock module forward runs. Why and what it buys: docs/decisions/0015-conv-bias-kernel.md.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ class BiasKernelConv2d(nn.Conv2d):
             and (kernel := optional_kernel("bias_add", "add_channel_bias_")) is not None
         ):
             y = self._conv_forward(x, self.weight, None)
-            if y.is_contiguous():  # NCHW; a channels_last output gets torch's add
+            if y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last):
                 self.kernel_calls += 1
                 return kernel(y, self.bias)
-            return y.add_(self.bias.reshape(1, -1, 1, 1))
+            return y.add_(self.bias.reshape(1, -1, 1, 1))  # another layout: torch's add
         return super().forward(x)
 
 
