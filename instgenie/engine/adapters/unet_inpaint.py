@@ -8,10 +8,12 @@ VAE sample of the masked image.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 from diffusers import EulerDiscreteScheduler
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint import (
     retrieve_latents,
     retrieve_timesteps,
@@ -24,6 +26,45 @@ from instgenie.engine.masked.tokens import unet_token_masks
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.schedule import euler_scale_input, euler_step
 from instgenie.errors import BatchError, ModelLoadError
+
+_NHWC = torch.channels_last
+
+
+def _nhwc_transformer_output(
+    self: Transformer2DModel,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    batch_size: int,
+    height: int,
+    width: int,
+    inner_dim: int,
+) -> torch.Tensor:
+    # Transformer2DModel._get_output_for_continuous_inputs without its NCHW `.contiguous()`:
+    # token-major rows (B, H*W, C) are NHWC memory, so with a channels_last residual the NCHW
+    # view of proj_out's output needs no copy and the sum stays channels_last. Same values.
+    if not (self.use_linear_projection and residual.is_contiguous(memory_format=_NHWC)):
+        return Transformer2DModel._get_output_for_continuous_inputs(
+            self, hidden_states, residual, batch_size, height, width, inner_dim
+        )
+    nhwc = self.proj_out(hidden_states).reshape(batch_size, height, width, inner_dim)
+    return nhwc.permute(0, 3, 1, 2) + residual
+
+
+def keep_channels_last(unet: torch.nn.Module) -> int:
+    """Let every linear-projection Transformer2DModel of `unet` return channels_last maps.
+
+    Stock diffusers converts each transformer stack's output back to NCHW, which in a
+    channels_last UNet costs two layout copies per stack (decision 0004). Returns the number of
+    modules changed (an instance attribute shadows the class method; parameters untouched).
+    """
+    n = 0
+    for module in unet.modules():
+        if isinstance(module, Transformer2DModel) and module.use_linear_projection:
+            module._get_output_for_continuous_inputs = types.MethodType(
+                _nhwc_transformer_output, module
+            )
+            n += 1
+    return n
 
 
 class UNetInpaintAdapter(AdapterBase):
@@ -55,6 +96,7 @@ class UNetInpaintAdapter(AdapterBase):
         if self.device.type == "cuda" and env.unet_channels_last():
             # off by default: measured slower on an H200 (docs/decisions/0004-unet-memory-format.md)
             unet.to(memory_format=torch.channels_last)
+            keep_channels_last(unet)
 
     def uses_cfg(self, guidance: float) -> bool:
         return guidance > 1.0
