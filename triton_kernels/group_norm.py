@@ -41,7 +41,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _element_offsets(g, offs, group_numel, cg, num_groups, NHWC: tl.constexpr):
+def _element_offsets(g, offs, group_numel, cg: tl.constexpr, num_groups, NHWC: tl.constexpr):
     # Memory offsets of elements offs (< group_numel) of group row g = n * num_groups + group.
     # NCHW: the group's elements are contiguous. NHWC (4-D channels_last): element i is channel
     # i % cg of position i // cg; a position's C channels are contiguous.
@@ -54,13 +54,13 @@ def _element_offsets(g, offs, group_numel, cg, num_groups, NHWC: tl.constexpr):
 
 
 @triton.jit
-def _gn_stats_kernel(X, PART, group_numel, n_tiles, cg, num_groups, BLOCK: tl.constexpr,
-                     NHWC: tl.constexpr):  # fmt: skip
+def _gn_stats_kernel(X, PART, group_numel, n_tiles, num_groups, CG: tl.constexpr,
+                     BLOCK: tl.constexpr, NHWC: tl.constexpr):  # fmt: skip
     g = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
     offs = t * BLOCK + tl.arange(0, BLOCK)
     ok = offs < group_numel
-    addr = _element_offsets(g, offs, group_numel, cg, num_groups, NHWC)
+    addr = _element_offsets(g, offs, group_numel, CG, num_groups, NHWC)
     x = tl.load(X + addr, mask=ok, other=0.0).to(tl.float32)
     cnt = tl.minimum(group_numel - t * BLOCK, BLOCK).to(tl.float32)
     mean = tl.sum(x, 0) / cnt
@@ -72,9 +72,10 @@ def _gn_stats_kernel(X, PART, group_numel, n_tiles, cg, num_groups, BLOCK: tl.co
 
 
 @triton.jit
-def _gn_apply_kernel(X, Y, PART, W, B, group_numel, n_tiles, spatial, cg, num_groups, eps,
-                     BLOCK: tl.constexpr, TILES: tl.constexpr, HAS_W: tl.constexpr,
-                     HAS_B: tl.constexpr, SILU: tl.constexpr, NHWC: tl.constexpr):  # fmt: skip
+def _gn_apply_kernel(X, Y, PART, W, B, group_numel, n_tiles, spatial, num_groups, eps,
+                     CG: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr,
+                     NHWC: tl.constexpr):  # fmt: skip
     g = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
     # combine the group's partials: tile i holds min(BLOCK, numel - i * BLOCK) elements
@@ -91,14 +92,14 @@ def _gn_apply_kernel(X, Y, PART, W, B, group_numel, n_tiles, spatial, cg, num_gr
 
     offs = t * BLOCK + tl.arange(0, BLOCK)
     ok = offs < group_numel
-    addr = _element_offsets(g, offs, group_numel, cg, num_groups, NHWC)
+    addr = _element_offsets(g, offs, group_numel, CG, num_groups, NHWC)
     x = tl.load(X + addr, mask=ok, other=0.0).to(tl.float32)
     y = (x - mean) * rstd
     if HAS_W or HAS_B:
         if NHWC:
-            c = (g % num_groups) * cg + offs % cg  # channel of each element
+            c = (g % num_groups) * CG + offs % CG  # channel of each element
         else:
-            c = (g % num_groups) * cg + offs // spatial
+            c = (g % num_groups) * CG + offs // spatial
         if HAS_W:
             y = y * tl.load(W + c, mask=ok, other=0.0).to(tl.float32)
         if HAS_B:
@@ -152,11 +153,13 @@ def group_norm(
     part = torch.empty(N * num_groups, n_tiles, 2, device=x.device, dtype=torch.float32)
     grid = (N * num_groups, n_tiles)
     cg = C // num_groups
-    _gn_stats_kernel[grid](x, part, group_numel, n_tiles, cg, num_groups, BLOCK=_BLOCK,
+    # CG (channels per group) is a compile-time constant: the NHWC address arithmetic divides by
+    # it per element (multiply-shift instead of integer division).
+    _gn_stats_kernel[grid](x, part, group_numel, n_tiles, num_groups, CG=cg, BLOCK=_BLOCK,
                            NHWC=nhwc, num_warps=8)  # fmt: skip
     _gn_apply_kernel[grid](
         x, y, part, weight if weight is not None else x, bias if bias is not None else x,
-        group_numel, n_tiles, spatial, cg, num_groups, float(eps),
+        group_numel, n_tiles, spatial, num_groups, float(eps), CG=cg,
         BLOCK=_BLOCK, TILES=max(2, triton.next_power_of_2(n_tiles)),
         HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu, NHWC=nhwc, num_warps=8,
     )  # fmt: skip
