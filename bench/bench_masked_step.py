@@ -67,14 +67,26 @@ FUSED = (
 @contextlib.contextmanager
 def stock_ops(pipe: EditPipeline):
     """Stock diffusers execution: eager, torch's GroupNorm/SiLU, GEGLU and conv-bias ops (every
-    switch in FUSED off)."""
+    switch in FUSED off), NCHW weights (diffusers' default layout; the engine's UNets are
+    channels_last on CUDA). Graphs are cleared on exit (graphs_mode), so none keeps pointers to
+    the NCHW copies of the convolution weights."""
     saved = [mod.MODE for mod, _cls in FUSED]
     for mod, _cls in FUSED:
         mod.MODE = "off"
+    backbone = pipe.family.backbone
+    cl = torch.channels_last
+    nhwc = any(
+        p.dim() == 4 and p.is_contiguous(memory_format=cl) and not p.is_contiguous()
+        for p in backbone.parameters()
+    )
     try:
+        if nhwc:
+            backbone.to(memory_format=torch.contiguous_format)
         with graphs_mode(pipe, "off"):
             yield
     finally:
+        if nhwc:
+            backbone.to(memory_format=torch.channels_last)
         for (mod, _cls), mode in zip(FUSED, saved, strict=True):
             mod.MODE = mode
 

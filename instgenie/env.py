@@ -12,8 +12,10 @@ def attention_backend() -> str:
 
 
 def unet_channels_last() -> bool:
-    """INSTGENIE_UNET_CHANNELS_LAST: 1 puts UNets in NHWC on CUDA; 0 (default) keeps NCHW."""
-    return os.environ.get("INSTGENIE_UNET_CHANNELS_LAST", "0").strip() in ("1", "true", "yes")
+    """INSTGENIE_UNET_CHANNELS_LAST: 1 (default) puts UNets in NHWC (channels_last) on CUDA; 0
+    keeps them NCHW (decision 0004)."""
+    flag = os.environ.get("INSTGENIE_UNET_CHANNELS_LAST", "1").strip().lower()
+    return flag not in ("0", "false", "no", "off")
 
 
 def cuda_graphs() -> str:

@@ -71,3 +71,13 @@ def test_masked_replay_exact_in_channels_last(family: str) -> None:
     assert masked.path == "masked" and masked.extras["cache"] == "hit"
     full = _full(pipe, EditRequest(uid="f", image=img, mask=mask, paste_back=False, **common))
     _close(masked.latents, full.latents)
+
+
+def test_env_flag_defaults_to_channels_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    from instgenie import env
+
+    monkeypatch.delenv("INSTGENIE_UNET_CHANNELS_LAST", raising=False)
+    assert env.unet_channels_last()
+    for off in ("0", "false", "no", "off"):
+        monkeypatch.setenv("INSTGENIE_UNET_CHANNELS_LAST", off)
+        assert not env.unet_channels_last()

@@ -94,7 +94,8 @@ class UNetInpaintAdapter(AdapterBase):
         #: the native resolution in pixels (square side)
         self.default_size = unet.config.sample_size * self.pipe.vae_scale_factor
         if self.device.type == "cuda" and env.unet_channels_last():
-            # off by default: measured slower on an H200 (docs/decisions/0004-unet-memory-format.md)
+            # NHWC convolutions without cuDNN's NCHW<->NHWC transposes; with keep_channels_last
+            # the maps stay NHWC end to end (docs/decisions/0004-unet-memory-format.md)
             unet.to(memory_format=torch.channels_last)
             keep_channels_last(unet)
 
