@@ -160,7 +160,7 @@ def attention_flops(comp: Composition) -> float:
 def forced_config(cfg: va._Config) -> Iterator[None]:
     """Make the wrapper launch with ``cfg`` (benchmark-only monkeypatch of the heuristic)."""
     saved = va._pick_config
-    va._pick_config = lambda block_d, dtype: cfg
+    va._pick_config = lambda block_d, dtype, gluon=True: cfg if gluon else saved(block_d, dtype)
     try:
         yield
     finally:
@@ -175,7 +175,8 @@ SWEEP = {
     128: [_C(128, 64, 8, 3),
           _C(128, 128, 4, 2, kv_desc=2, warp_spec=True, linear_grid=True),
           _C(128, 128, 4, 2, kv_desc=2, warp_spec=True, linear_grid=True, even_n=False),
-          _C(128, 64, 4, 2, kv_desc=2, warp_spec=True, linear_grid=True)],
+          _C(128, 64, 4, 2, kv_desc=2, warp_spec=True, linear_grid=True),
+          _C(128, 128, 4, 2, linear_grid=True, gluon=True)],
     # --quick (interpreter) smoke coverage of the sweep path only.
     16: [_C(16, 16, 1, 1), _C(32, 16, 1, 1), _C(16, 16, 1, 1, 2, True, linear_grid=True)],
     32: [_C(16, 32, 1, 1), _C(16, 16, 1, 1, 1)],
@@ -205,7 +206,9 @@ def _forced(picked: dict[int, va._Config]) -> contextlib.AbstractContextManager:
 
     @contextlib.contextmanager
     def ctx() -> Iterator[None]:
-        va._pick_config = lambda block_d, dtype: picked.get(block_d) or saved(block_d, dtype)
+        va._pick_config = lambda block_d, dtype, gluon=True: (
+            (picked.get(block_d) if gluon else None) or saved(block_d, dtype, gluon)
+        )
         try:
             yield
         finally:

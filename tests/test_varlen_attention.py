@@ -395,6 +395,50 @@ class TestGpu:
         ref = _reference(src[index], k, v, cu_q, cu_k)
         torch.testing.assert_close(got, ref, **TOLS[dtype])
 
+    @pytest.mark.parametrize("packed_qkv", [False, True], ids=["separate", "packed_qkv"])
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+    def test_gluon_kernel_odd_lengths(self, dtype: torch.dtype, packed_qkv: bool) -> None:
+        """Head dim 128 on Hopper runs the Gluon kernel: partial and single-key tiles, requests
+        without queries, more queries than keys, 40 requests of different key counts; q, k, v
+        separate or views of one packed qkv tensor (token stride 3 * H * D)."""
+        if torch.cuda.get_device_capability()[0] != 9 or not va._GLUON_VALIDATED:
+            pytest.skip("the Gluon kernel runs on sm_90 with triton 3.6")
+        assert va._pick_config(128, dtype).gluon
+        cases = [
+            ([0, 129, 0, 7], [5, 200, 1, 128]),
+            ([127, 128, 129, 255, 256, 257], [257, 1, 64, 384, 127, 500]),
+            ([5000], [130]),
+            ([37] * 40, [1000 + 3 * i for i in range(40)]),
+        ]
+        for n_q, n_k in cases:
+            q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 3, 128, dtype, "cuda")
+            if packed_qkv:
+                qkv = torch.zeros(max(sum(n_q), sum(n_k)), 3, 3, 128, dtype=dtype, device="cuda")
+                qkv[: sum(n_q), 0], qkv[: sum(n_k), 1], qkv[: sum(n_k), 2] = q, k, v
+                q, k, v = qkv[: sum(n_q), 0], qkv[: sum(n_k), 1], qkv[: sum(n_k), 2]
+            assert va._gluon_ok(q, k, v, None, 128, len(n_q))
+            out = torch.full((sum(n_q), 3, 128), float("nan"), dtype=dtype, device="cuda")
+            got = _run(q, k, v, cu_q, cu_k, n_q, n_k, out=out)
+            torch.testing.assert_close(got, _reference(q, k, v, cu_q, cu_k), **TOLS[dtype])
+
+    def test_gluon_kernel_falls_back(self) -> None:
+        """Where the Gluon kernel does not apply (more than 64 requests, unaligned strides) the
+        Triton kernel gives the right result."""
+        n_q, n_k = [3] * 70, [20] * 70
+        q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 128, torch.float16, "cuda")
+        assert not va._gluon_ok(q, k, v, None, 128, 70)
+        ref = _reference(q, k, v, cu_q, cu_k)
+        torch.testing.assert_close(_run(q, k, v, cu_q, cu_k, n_q, n_k), ref, **TOLS[torch.float16])
+        n_q, n_k = [5] * 20, [150] * 20
+        q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 128, torch.float16, "cuda")
+        wide = torch.zeros(sum(n_k), 2, 129, dtype=torch.float16, device="cuda")
+        wide[..., :128] = k
+        k_odd = wide[..., :128]  # head stride 129 elements: not 16-byte aligned
+        assert va._gluon_ok(q, k, v, None, 128, 20)
+        assert not va._gluon_ok(q, k_odd, v, None, 128, 20)
+        got = _run(q, k_odd, v, cu_q, cu_k, n_q, n_k)
+        torch.testing.assert_close(got, _reference(q, k, v, cu_q, cu_k), **TOLS[torch.float16])
+
     def test_validate_true_checks_cuda_values(self) -> None:
         q, k, v, _, cu_k = _inputs([4, 6], [8, 10], 2, 64, torch.float16, "cuda")
         cu_q = torch.tensor([0, 11, 10], dtype=torch.int32, device="cuda")

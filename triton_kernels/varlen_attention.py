@@ -44,8 +44,11 @@ cu_seqlens_q in a short scalar prologue, so almost none is idle.
 Paths (see ``_Config``): K/V tiles come through pointer loads (cp.async; every GPU, every layout,
 the interpreter's default), or on Hopper through TMA descriptors built on the host or in the
 kernel, optionally with Triton's automatic warp specialization (one producer warp group issuing
-TMA loads, two consumer warp groups of 64 query rows each). ``_pick_config`` documents what was
-measured.
+TMA loads, two consumer warp groups of 64 query rows each). For head dim 128 in fp16/bf16 on
+Hopper the default is a separate kernel written in Gluon (triton_kernels/varlen_attention_hopper.py:
+FlashAttention-3's producer/consumer split with the score MMA of the next key tile overlapping
+the softmax of the current one); it needs no q_index, 16-byte aligned strides and B <= 64, and
+the Triton kernel runs wherever it does not apply. ``_pick_config`` documents what was measured.
 """
 
 from __future__ import annotations
@@ -67,6 +70,16 @@ except ImportError:  # pragma: no cover
 
 from triton_kernels.varlen_attention_kernel import _varlen_attention_kernel  # noqa: E402
 
+try:  # Gluon (Triton's lower-level API): the Hopper kernel; its API moves between releases.
+    from triton_kernels.varlen_attention_hopper import (
+        CONSUMERS as _GLUON_CONSUMERS,
+    )
+    from triton_kernels.varlen_attention_hopper import (
+        _varlen_attention_hopper_kernel,
+    )
+except Exception:  # ImportError, or an API this file does not match  # pragma: no cover
+    _varlen_attention_hopper_kernel = None
+
 __all__ = ["varlen_attention"]
 
 _LOG2E = 1.4426950408889634
@@ -77,6 +90,9 @@ _MAX_LINEAR_B = 64  # up to this many requests the grid is request-major over qu
 # Triton's Hopper warp specialization was validated (GPU tests, H200) with triton 3.6 only; it
 # miscompiled this kernel there with num_stages >= 3, so other versions fall back to pointers.
 _WARP_SPEC_VALIDATED = triton.__version__.startswith("3.6.")
+# The Gluon Hopper kernel (triton_kernels/varlen_attention_hopper.py) was written against and
+# GPU-tested with triton 3.6's Gluon API.
+_GLUON_VALIDATED = _WARP_SPEC_VALIDATED and _varlen_attention_hopper_kernel is not None
 
 
 @dataclass(frozen=True)
@@ -90,7 +106,9 @@ class _Config:
     ``ptr_inc``: pointer path with loop-carried K/V pointers. ``linear_grid``: request-major grid
     over query tiles (module docstring; B <= 64). ``even_n``: let a warp-specialized launch drop
     the key mask when the host can tell that every request has max_seqlen_k keys, a multiple of
-    ``block_n``.
+    ``block_n``. ``gluon``: the Gluon Hopper kernel (FlashAttention-3 structure; D = 128,
+    fp16/bf16, block_n = 128, ``block_m`` query rows per program split over two consumer warp
+    groups of ``num_warps`` = 4 warps, ``num_stages`` K/V shared-memory slots; linear grid).
     """
 
     block_m: int
@@ -102,6 +120,7 @@ class _Config:
     ptr_inc: bool = False
     linear_grid: bool = False
     even_n: bool = True
+    gluon: bool = False
 
 
 def _interpreting() -> bool:
@@ -125,7 +144,7 @@ def _pointer_config(block_d: int, dtype: torch.dtype) -> _Config:
     return _Config(64, 32, 4, 2)
 
 
-def _pick_config(block_d: int, dtype: torch.dtype) -> _Config:
+def _pick_config(block_d: int, dtype: torch.dtype, gluon: bool = True) -> _Config:
     """Heuristic by padded head dim and dtype (no autotuning: no first-call tuning stall).
 
     The wrapper falls back to ``_pointer_config`` where a TMA configuration does not apply (not
@@ -148,13 +167,20 @@ def _pick_config(block_d: int, dtype: torch.dtype) -> _Config:
     * D=64: the pointer kernel 64x64/4/3 stays best (0.086-0.088 ms geomean over sdxl
       mixed4/full2, H10 L4096 and H20 L1024): in-kernel TMA 0.092, 128x64/8/3 0.093,
       warp-specialized 128x128/4/2 0.119.
+    * D=128, later: the Gluon kernel (``gluon``; 128 query rows per program in two consumer warp
+      groups, 128-key tiles, 2 K/V slots) beat the warp-specialized Triton kernel by 10-14% on
+      every Flux composition (mixed4 0.69-0.76 ms against 0.79-0.84; full2 0.77-0.83 against
+      0.87-0.92) and the cuDNN per-request loop on the mixed batches
+      (docs/benchmarks/varlen-attention-h200.md). FA3's inter-warp-group ping-pong (each consumer
+      issues its MMAs only after the other's) made it 3-8% slower and was dropped.
+
+    ``gluon=False`` gives the best Triton-kernel configuration (the fallback of the Gluon one).
     """
-    if (
-        _WARP_SPEC_VALIDATED
-        and not _interpreting()
-        and dtype in (torch.float16, torch.bfloat16)
-        and block_d == 128
-    ):
+    if _interpreting() or dtype not in (torch.float16, torch.bfloat16) or block_d != 128:
+        return _pointer_config(block_d, dtype)
+    if gluon and _GLUON_VALIDATED:
+        return _Config(128, 128, 4, 2, linear_grid=True, gluon=True)
+    if _WARP_SPEC_VALIDATED:
         return _Config(128, 128, 4, 2, kv_desc=2, warp_spec=True, linear_grid=True)
     return _pointer_config(block_d, dtype)
 
@@ -314,6 +340,11 @@ def varlen_attention(
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     cfg = _pick_config(block_d, q.dtype)
+    if cfg.gluon:
+        if _gluon_ok(q, k, v, q_index, head_dim, n_req):
+            _launch_gluon(cfg, q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale, n_req, total_q)
+            return out
+        cfg = _pick_config(block_d, q.dtype, gluon=False)
     if cfg.kv_desc and not _tma_ok(cfg, q, k, v, q_index, head_dim, block_d):
         cfg = _pointer_config(block_d, q.dtype)
     if cfg.kv_desc == 1:
@@ -374,6 +405,75 @@ def varlen_attention(
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def _gluon_ok(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor | None,
+    head_dim: int,
+    n_req: int,
+) -> bool:
+    """Whether the Gluon Hopper kernel applies (else the Triton kernel runs)."""
+    if not _GLUON_VALIDATED or _interpreting() or q_index is not None:
+        return False
+    if head_dim != 128 or q.dtype not in (torch.float16, torch.bfloat16) or n_req > _MAX_LINEAR_B:
+        return False
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    for t in (q, k, v):  # TMA: 16-byte aligned base and row/head strides
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+        if (t.stride(1) * t.element_size()) % 16:
+            return False
+    return True
+
+
+def _launch_gluon(
+    cfg: _Config,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    n_req: int,
+    total_q: int,
+) -> None:
+    _ensure_allocator()  # the kernel builds its TMA descriptors in device memory
+    # Request-major linear grid over every request's query tiles of block_m rows (an upper
+    # bound; programs past the last tile do nothing), by heads.
+    grid = ((total_q + n_req * (cfg.block_m - 1)) // cfg.block_m, q.shape[1])
+    _varlen_attention_hopper_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale * _LOG2E,
+        n_req,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=q.shape[2],
+        BLOCK_M=cfg.block_m // _GLUON_CONSUMERS,
+        BLOCK_N=cfg.block_n,
+        STAGES=cfg.num_stages,
+        BLOCK_B=max(1, triton.next_power_of_2(n_req)),
+        CONSUMER_REGS=240,
+        num_warps=cfg.num_warps,
+        # 3 warp groups (2 consumers, the 1-warp producer's group) x 128 threads x 168 = 64512
+        # registers of the SM's 65536; setmaxnreg then gives each consumer 240, the producer 24.
+        maxnreg=168,
+    )
 
 
 def _tma_ok(
