@@ -343,6 +343,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "commit": os.environ.get("GIT_COMMIT"),
         "flash_attn": None if flash_attn_varlen_func is None else "available",
         "timing": ("do_bench_cudagraph" if args.cudagraph else "do_bench")
         if device.type == "cuda"

@@ -161,9 +161,10 @@ def _pick_config(block_d: int, dtype: torch.dtype, gluon: bool = True) -> _Confi
       noise of it: warp-specialized 128x64/4/2 0.929 (EVEN_N) / 0.970 (masked); TMA without warp
       specialization 0.99-1.07; pointer 128x128/8/3 0.950; loop-carried pointers 0.969.
       Warp specialization with num_stages 3 or 4 gave wrong results (Triton 3.6 compiler), so it
-      is used with triton 3.6 only (GPU-tested there) and 2 stages. The Flux batches are still
+      is used with triton 3.6 only (GPU-tested there) and 2 stages. The Flux batches were then
       2-7% slower than cuDNN's per-request loop on mixed4/full2 (490-540 against 525-565
-      TFLOP/s), tie on mixed8 and win by 13-15% on ten8/twenty4.
+      TFLOP/s), tied on mixed8 and won by 13-15% on ten8/twenty4 (now the Gluon kernel's
+      fallback).
     * D=64: the pointer kernel 64x64/4/3 stays best (0.086-0.088 ms geomean over sdxl
       mixed4/full2, H10 L4096 and H20 L1024): in-kernel TMA 0.092, 128x64/8/3 0.093,
       warp-specialized 128x128/4/2 0.119.
