@@ -421,6 +421,26 @@ class TestGpu:
             got = _run(q, k, v, cu_q, cu_k, n_q, n_k, out=out)
             torch.testing.assert_close(got, _reference(q, k, v, cu_q, cu_k), **TOLS[dtype])
 
+    def test_gluon_kernel_in_cuda_graph(self) -> None:
+        """The engine replays masked steps from CUDA graphs: a captured launch (its in-kernel
+        TMA descriptors live in scratch memory from the capture's pool) must follow new input
+        values on replay."""
+        if torch.cuda.get_device_capability()[0] != 9 or not va._GLUON_VALIDATED:
+            pytest.skip("the Gluon kernel runs on sm_90 with triton 3.6")
+        n_q, n_k = [231, 0, 922, 4096], [4608, 4608, 4608, 4608]
+        q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 24, 128, torch.bfloat16, "cuda", q_spread=1.0)
+        _run(q, k, v, cu_q, cu_k, n_q, n_k)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _run(q, k, v, cu_q, cu_k, n_q, n_k)
+        for _ in range(2):
+            q2, k2, v2, _, _ = _inputs(n_q, n_k, 24, 128, torch.bfloat16, "cuda", q_spread=1.0)
+            q.copy_(q2), k.copy_(k2), v.copy_(v2)
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = _reference(q, k, v, cu_q, cu_k)
+            torch.testing.assert_close(out, ref, **TOLS[torch.bfloat16])
+
     def test_gluon_kernel_falls_back(self) -> None:
         """Where the Gluon kernel does not apply (more than 64 requests, unaligned strides) the
         Triton kernel gives the right result."""
