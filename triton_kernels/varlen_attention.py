@@ -366,7 +366,7 @@ def varlen_attention(
     even_n = total_k == n_req * max_seqlen_k and max_seqlen_k % cfg.block_n == 0
     if linear:
         # Request-major grid over every request's query tiles (no idle programs but < B).
-        grid = ((total_q + n_req * (cfg.block_m - 1)) // cfg.block_m, n_heads)
+        grid = (_linear_grid_size(total_q, n_req, cfg.block_m), n_heads)
     else:
         grid = (triton.cdiv(max_seqlen_q, cfg.block_m), n_req, n_heads)
     _varlen_attention_kernel[grid](
@@ -379,14 +379,7 @@ def varlen_attention(
         cu_seqlens_k,
         scale * _LOG2E,
         n_req,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *_token_and_head_strides(q, k, v, out),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=cfg.block_m,
@@ -406,6 +399,17 @@ def varlen_attention(
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def _token_and_head_strides(*tensors: torch.Tensor) -> list[int]:
+    """(stride(0), stride(1)) of each (tokens, H, D) tensor, flattened: the kernels' order."""
+    return [st for t in tensors for st in (t.stride(0), t.stride(1))]
+
+
+def _linear_grid_size(total_q: int, n_req: int, block_m: int) -> int:
+    """Programs of a request-major linear grid: an upper bound on sum_i cdiv(n_q,i, block_m)
+    (each request wastes at most block_m - 1 rows of its last tile)."""
+    return (total_q + n_req * (block_m - 1)) // block_m
 
 
 def _gluon_ok(
@@ -446,7 +450,7 @@ def _launch_gluon(
     _ensure_allocator()  # the kernel builds its TMA descriptors in device memory
     # Request-major linear grid over every request's query tiles of block_m rows (an upper
     # bound; programs past the last tile do nothing), by heads.
-    grid = ((total_q + n_req * (cfg.block_m - 1)) // cfg.block_m, q.shape[1])
+    grid = (_linear_grid_size(total_q, n_req, cfg.block_m), q.shape[1])
     _varlen_attention_hopper_kernel[grid](
         q,
         k,
@@ -456,14 +460,7 @@ def _launch_gluon(
         cu_seqlens_k,
         scale * _LOG2E,
         n_req,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *_token_and_head_strides(q, k, v, out),
         HEAD_DIM=q.shape[2],
         BLOCK_M=cfg.block_m // _GLUON_CONSUMERS,
         BLOCK_N=cfg.block_n,

@@ -42,9 +42,11 @@ CONSUMERS = gl.constexpr(2)  # consumer warp groups per program; each owns BLOCK
 
 @gluon.jit
 def _program_tile(CU_Q, n_req, ROWS: gl.constexpr, BLOCK_B: gl.constexpr):
-    # Program t of a grid over all requests' query tiles of ROWS rows, request-major: returns
-    # (request, tile of that request). Programs past the last tile get the last request and a
-    # tile past its queries (they do nothing). Scalar code unrolled over BLOCK_B >= n_req.
+    # The Gluon twin of varlen_attention_kernel.py's _linear_tile (a Gluon kernel cannot call a
+    # @triton.jit function). Program t of a grid over all requests' query tiles of ROWS rows,
+    # request-major: returns (request, tile of that request). Programs past the last tile get
+    # the last request and a tile past its queries (they do nothing). Scalar code unrolled over
+    # BLOCK_B >= n_req.
     t = gl.program_id(0)
     req = 0
     first = 0
@@ -58,6 +60,20 @@ def _program_tile(CU_Q, n_req, ROWS: gl.constexpr, BLOCK_B: gl.constexpr):
         first = gl.where(before, end, first)
         lo = hi
     return req, t - first
+
+
+@gluon.jit
+def _request_desc(X, start, n, head, stride_n, stride_h, bufs, HEAD_DIM: gl.constexpr,
+                  BLOCK: gl.constexpr):  # fmt: skip
+    # TMA descriptor over rows [start, start + n) of head `head` of X (tokens, H, D): (n, D),
+    # rows past n read as zeros; tiles of BLOCK rows in the shared layout of `bufs`.
+    return tma.make_tensor_descriptor(
+        X + start.to(gl.int64) * stride_n + head * stride_h,
+        shape=[n, HEAD_DIM],
+        strides=[stride_n, 1],
+        block_shape=[BLOCK, HEAD_DIM],
+        layout=bufs.type.layout,
+    )
 
 
 @gluon.jit
@@ -77,20 +93,8 @@ def _producer(
         block_shape=[BLOCK_M, HEAD_DIM],
         layout=q_smem.type.layout,
     )
-    k_desc = tma.make_tensor_descriptor(
-        K + k_start.to(gl.int64) * stride_kn + head * stride_kh,
-        shape=[n_k, HEAD_DIM],
-        strides=[stride_kn, 1],
-        block_shape=[BLOCK_N, HEAD_DIM],
-        layout=k_bufs.type.layout,
-    )
-    v_desc = tma.make_tensor_descriptor(
-        V + k_start.to(gl.int64) * stride_vn + head * stride_vh,
-        shape=[n_k, HEAD_DIM],
-        strides=[stride_vn, 1],
-        block_shape=[BLOCK_N, HEAD_DIM],
-        layout=v_bufs.type.layout,
-    )
+    k_desc = _request_desc(K, k_start, n_k, head, stride_kn, stride_kh, k_bufs, HEAD_DIM, BLOCK_N)
+    v_desc = _request_desc(V, k_start, n_k, head, stride_vn, stride_vh, v_bufs, HEAD_DIM, BLOCK_N)
     tile_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
     mbarrier.expect(q_bar.index(0), CONSUMERS * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8)
     for c in gl.static_range(CONSUMERS):
