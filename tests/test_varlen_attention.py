@@ -421,6 +421,20 @@ class TestGpu:
             got = _run(q, k, v, cu_q, cu_k, n_q, n_k, out=out)
             torch.testing.assert_close(got, _reference(q, k, v, cu_q, cu_k), **TOLS[dtype])
 
+    def test_gluon_kernel_queries_without_keys(self) -> None:
+        """Bad input past the unchecked invariant (validate=False): a request with queries but
+        no keys gets NaN rows — no hang waiting for key tiles — and the others are right."""
+        if torch.cuda.get_device_capability()[0] != 9 or not va._GLUON_VALIDATED:
+            pytest.skip("the Gluon kernel runs on sm_90 with triton 3.6")
+        n_q, n_k = [70, 300, 5], [200, 0, 129]
+        q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 128, torch.float16, "cuda")
+        got = _run(q, k, v, cu_q, cu_k, n_q, n_k, validate=False)
+        torch.cuda.synchronize()
+        assert torch.isnan(got[70:370]).all()
+        keep = torch.cat([torch.arange(70), torch.arange(370, 375)]).to("cuda")
+        ref = _reference(q[keep], k, v, _cu([70, 0, 5], "cuda"), cu_k)
+        torch.testing.assert_close(got[keep], ref, **TOLS[torch.float16])
+
     def test_gluon_kernel_in_cuda_graph(self) -> None:
         """The engine replays masked steps from CUDA graphs: a captured launch (its in-kernel
         TMA descriptors live in scratch memory from the capture's pool) must follow new input

@@ -17,8 +17,10 @@ Structure of one program (a CTA; query tile t of request i, head h; 2 * BLOCK_M 
   use); "ready" mbarriers complete when the TMA bytes land.
 
 Invariants: BLOCK_N == HEAD_DIM == 128 (the score and output accumulators share one MMA
-layout, so row statistics need no layout conversion); n_k >= 1 wherever n_q >= 1 (the last,
-partial key tile is masked with -inf; every row then has a finite max). Numerics as the Triton
+layout, so row statistics need no layout conversion); the last, partial key tile is masked
+with -inf, so with n_k >= 1 every row has a finite max. A request with queries but no keys (an
+input the wrapper rejects only when validating) gets NaN rows instead of a pipeline that would
+wait forever for key tiles. Numerics as the Triton
 kernel: fp32 accumulation, base-2 online softmax with the scale pre-multiplied by log2(e), P
 rounded to the input dtype before the PV product.
 """
@@ -199,9 +201,19 @@ def _consumer(
 
     # l_i >= 1 (the row max contributes exp2(0) = 1).
     out = (acc / l_i[:, None]).to(O.dtype.element_ty)
+    _store_rows(O, out, q_row, WG * BLOCK_M, rows_left, head, stride_on, stride_oh)
+
+
+@gluon.jit
+def _store_rows(O, out, q_row, first, rows_left, head, stride_on, stride_oh):
+    # Rows [first, first + ROWS) of this program's tile (out: (ROWS, D), O's dtype) to packed
+    # output rows q_row + first + ..., only those < rows_left (the request's remaining rows);
+    # coalesced 16-byte stores from a blocked layout of the caller's 4 warps.
+    ROWS: gl.constexpr = out.shape[0]
+    HEAD_DIM: gl.constexpr = out.shape[1]
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     out = gl.convert_layout(out, store_layout)
-    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout)) + WG * BLOCK_M
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout)) + first
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, store_layout))
     ptrs = O + head * stride_oh + (q_row + r).to(gl.int64)[:, None] * stride_on + d[None, :]
     gl.store(ptrs, out, mask=(r < rows_left)[:, None])
@@ -244,7 +256,15 @@ def _varlen_attention_hopper_kernel(
     k_start = gl.load(CU_K + req)
     n_k = gl.load(CU_K + req + 1) - k_start
     tile_row = tile * (CONSUMERS * BLOCK_M)
-    if tile_row < n_q:
+    if (tile_row < n_q) & (n_k <= 0):
+        # Queries without keys break the wrapper's invariant (checked only with validate=True
+        # on CUDA): their rows get NaN. The pipeline below would wait forever for key tiles.
+        nan_rows = gl.full(
+            [CONSUMERS * BLOCK_M, HEAD_DIM], float("nan"), O.dtype.element_ty,
+            gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]),
+        )  # fmt: skip
+        _store_rows(O, nan_rows, q_start + tile_row, 0, n_q - tile_row, head, stride_on, stride_oh)
+    elif tile_row < n_q:
         dtype: gl.constexpr = Q.dtype.element_ty
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=2
