@@ -36,32 +36,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from triton_kernels.varlen_attention_kernel import _linear_tile
+
 # TMA global-to-shared copy: renamed async_load (and the old name made an error) after 3.6.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
 CONSUMERS = gl.constexpr(2)  # consumer warp groups per program; each owns BLOCK_M query rows
 
 
-@gluon.jit
-def _program_tile(CU_Q, n_req, ROWS: gl.constexpr, BLOCK_B: gl.constexpr):
-    # The Gluon twin of varlen_attention_kernel.py's _linear_tile (a Gluon kernel cannot call a
-    # @triton.jit function). Program t of a grid over all requests' query tiles of ROWS rows,
-    # request-major: returns (request, tile of that request). Programs past the last tile get
-    # the last request and a tile past its queries (they do nothing). Scalar code unrolled over
-    # BLOCK_B >= n_req.
-    t = gl.program_id(0)
-    req = 0
-    first = 0
-    end = 0
-    lo = 0
-    for i in gl.static_range(BLOCK_B):
-        hi = gl.load(CU_Q + gl.minimum(i + 1, n_req))
-        end += (hi - lo + ROWS - 1) // ROWS
-        before = (end <= t) & (i < n_req - 1)
-        req += before.to(gl.int32)
-        first = gl.where(before, end, first)
-        lo = hi
-    return req, t - first
+# Program t of the request-major linear grid -> (request, query tile): the Triton kernel's scalar
+# prologue, compiled as Gluon from the same source (a Gluon kernel cannot call a @triton.jit
+# function; under TRITON_INTERPRET `.fn` is still the plain Python function).
+_program_tile = gluon.jit(_linear_tile.fn)
 
 
 @gluon.jit
