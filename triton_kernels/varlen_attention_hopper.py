@@ -20,9 +20,9 @@ Invariants: BLOCK_N == HEAD_DIM == 128 (the score and output accumulators share 
 layout, so row statistics need no layout conversion); the last, partial key tile is masked
 with -inf, so with n_k >= 1 every row has a finite max. A request with queries but no keys (an
 input the wrapper rejects only when validating) gets NaN rows instead of a pipeline that would
-wait forever for key tiles. Numerics as the Triton
-kernel: fp32 accumulation, base-2 online softmax with the scale pre-multiplied by log2(e), P
-rounded to the input dtype before the PV product.
+wait forever for key tiles. Numerics as the Triton kernel: fp32 accumulation, base-2 online
+softmax with the scale pre-multiplied by log2(e), P rounded to the input dtype before the PV
+product.
 """
 
 from __future__ import annotations
