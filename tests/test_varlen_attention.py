@@ -354,6 +354,11 @@ GPU_CASES = [
 ]
 
 
+def _require_gluon() -> None:
+    if torch.cuda.get_device_capability()[0] != 9 or not va._GLUON_VALIDATED:
+        pytest.skip("the Gluon kernel runs on sm_90 with triton 3.6")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.skipif(_interpreting(), reason="kernel is interpreted: set TRITON_INTERPRET=0")
@@ -401,8 +406,7 @@ class TestGpu:
         """Head dim 128 on Hopper runs the Gluon kernel: partial and single-key tiles, requests
         without queries, more queries than keys, 40 requests of different key counts; q, k, v
         separate or views of one packed qkv tensor (token stride 3 * H * D)."""
-        if torch.cuda.get_device_capability()[0] != 9 or not va._GLUON_VALIDATED:
-            pytest.skip("the Gluon kernel runs on sm_90 with triton 3.6")
+        _require_gluon()
         assert va._pick_config(128, dtype).gluon
         cases = [
             ([0, 129, 0, 7], [5, 200, 1, 128]),
@@ -424,8 +428,7 @@ class TestGpu:
     def test_gluon_kernel_queries_without_keys(self) -> None:
         """Bad input past the unchecked invariant (validate=False): a request with queries but
         no keys gets NaN rows — no hang waiting for key tiles — and the others are right."""
-        if torch.cuda.get_device_capability()[0] != 9 or not va._GLUON_VALIDATED:
-            pytest.skip("the Gluon kernel runs on sm_90 with triton 3.6")
+        _require_gluon()
         n_q, n_k = [70, 300, 5], [200, 0, 129]
         q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 128, torch.float16, "cuda")
         got = _run(q, k, v, cu_q, cu_k, n_q, n_k, validate=False)
@@ -439,8 +442,7 @@ class TestGpu:
         """The engine replays masked steps from CUDA graphs: a captured launch (its in-kernel
         TMA descriptors live in scratch memory from the capture's pool) must follow new input
         values on replay."""
-        if torch.cuda.get_device_capability()[0] != 9 or not va._GLUON_VALIDATED:
-            pytest.skip("the Gluon kernel runs on sm_90 with triton 3.6")
+        _require_gluon()
         n_q, n_k = [231, 0, 922, 4096], [4608, 4608, 4608, 4608]
         q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 24, 128, torch.bfloat16, "cuda", q_spread=1.0)
         _run(q, k, v, cu_q, cu_k, n_q, n_k)  # compile outside the capture
@@ -458,6 +460,7 @@ class TestGpu:
     def test_gluon_kernel_falls_back(self) -> None:
         """Where the Gluon kernel does not apply (more than 64 requests, unaligned strides) the
         Triton kernel gives the right result."""
+        _require_gluon()
         n_q, n_k = [3] * 70, [20] * 70
         q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 128, torch.float16, "cuda")
         assert not va._gluon_ok(q, k, v, None, 128, 70)
