@@ -28,6 +28,9 @@ workaround (the interpreter's fp16 dot is an exact-product fp32 matmul).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -43,6 +46,7 @@ from triton_kernels.varlen_attention import (  # noqa: E402
 
 # Interpreted kernel: CPU tensors. Compiled kernel (TRITON_INTERPRET=0): CUDA tensors.
 DEVICE = "cpu" if _interpreting() else "cuda"
+REPO = Path(__file__).resolve().parents[1]
 
 TOLS = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
@@ -359,6 +363,19 @@ def _require_gluon() -> None:
         pytest.skip("the Gluon kernel runs on sm_90 with triton 3.6")
 
 
+def _check_queries_without_keys() -> None:
+    """Run by TestGpu in a child process: n_k = 0 for a request that has queries."""
+    n_q, n_k = [70, 300, 5], [200, 0, 129]
+    q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 128, torch.float16, "cuda")
+    assert va._gluon_ok(q, k, v, None, 128, len(n_q))
+    got = _run(q, k, v, cu_q, cu_k, n_q, n_k, validate=False)
+    torch.cuda.synchronize()
+    assert torch.isnan(got[70:370]).all()
+    keep = torch.cat([torch.arange(70), torch.arange(370, 375)]).to("cuda")
+    ref = _reference(q[keep], k, v, _cu([70, 0, 5], "cuda"), cu_k)
+    torch.testing.assert_close(got[keep], ref, **TOLS[torch.float16])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.skipif(_interpreting(), reason="kernel is interpreted: set TRITON_INTERPRET=0")
@@ -427,16 +444,20 @@ class TestGpu:
 
     def test_gluon_kernel_queries_without_keys(self) -> None:
         """Bad input past the unchecked invariant (validate=False): a request with queries but
-        no keys gets NaN rows — no hang waiting for key tiles — and the others are right."""
+        no keys gets NaN rows — no hang waiting for key tiles — and the others are right. Run in
+        a child process: a kernel that hangs must fail this test, not stall the session."""
         _require_gluon()
-        n_q, n_k = [70, 300, 5], [200, 0, 129]
-        q, k, v, cu_q, cu_k = _inputs(n_q, n_k, 2, 128, torch.float16, "cuda")
-        got = _run(q, k, v, cu_q, cu_k, n_q, n_k, validate=False)
-        torch.cuda.synchronize()
-        assert torch.isnan(got[70:370]).all()
-        keep = torch.cat([torch.arange(70), torch.arange(370, 375)]).to("cuda")
-        ref = _reference(q[keep], k, v, _cu([70, 0, 5], "cuda"), cu_k)
-        torch.testing.assert_close(got[keep], ref, **TOLS[torch.float16])
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        code = "import test_varlen_attention as t; t._check_queries_without_keys()"
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=150,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            pytest.fail("the kernel did not finish within 150 s on a request without keys (hang)")
+        assert done.returncode == 0, done.stdout + done.stderr
 
     def test_gluon_kernel_in_cuda_graph(self) -> None:
         """The engine replays masked steps from CUDA graphs: a captured launch (its in-kernel
