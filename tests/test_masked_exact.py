@@ -199,3 +199,75 @@ def test_capture_is_complete_and_abort_leaves_nothing() -> None:
     assert pipe.store.status(key2) == "building"
     state.writer.abort()
     assert pipe.store.status(key2) == "absent"
+
+
+def test_capture_batched_behind_another_request_is_exact(family: str) -> None:
+    """A capture that runs behind another request (rows from `start` > 0, joining at a later
+    step) records its own rows: replaying the template's inputs on that cache equals full."""
+    pipe = fp64_pipeline(family)
+    img, mask = png_bytes(make_image(128, 128, seed=12)), png_bytes(MASKS["ellipse"])
+    common = dict(prompt="a wool hat", seed=6, num_inference_steps=STEPS)
+    key = pipe.register_template(TemplateSpec(image=img, mask=mask, **common))
+    other = pipe.preprocess(
+        EditRequest(uid="o", image=png_bytes(make_image(128, 128, seed=13)), mask=mask,
+                    prompt="gloves", seed=2, num_inference_steps=STEPS + 2)
+    )  # fmt: skip
+    pipe.denoise_step([other])  # the capture joins one step later, behind it
+    capture = pipe.capture_state(key)
+    assert capture is not None
+    while not capture.is_done:
+        pipe.denoise_step([other, capture])
+        assert pipe.family.masked.last_context.requests[1].start == other.num_rows
+    assert pipe.store.status(key) == "ready"
+    edit = EditRequest(uid="e", image=None, template_id=key, mask=mask, **common)
+    masked = _run(pipe, pipe.preprocess(edit))
+    assert masked.path == "masked"
+    full = _full(pipe, EditRequest(uid="f", image=img, mask=mask, **common))
+    _close(masked.latents, full.latents)
+
+
+def test_latents_outside_the_edit_follow_the_template() -> None:
+    """After every step, a masked edit's latents outside its edit region are the template's
+    latents of that step (the cache's trajectory), whatever the edit's prompt and seed."""
+    pipe = fp64_pipeline("sdxl-inpaint")
+    img = png_bytes(make_image(128, 128, seed=14))
+    key = pipe.build_template(TemplateSpec(image=img, prompt="x", seed=9, num_inference_steps=4))
+    edit = EditRequest(uid="e", image=None, template_id=key, mask=png_bytes(MASKS["rect"]),
+                       prompt="a green scarf", seed=21, num_inference_steps=4)  # fmt: skip
+    state = pipe.preprocess(edit)
+    assert state.path == "masked"
+    keep = ~state.edit_mask.expand_as(state.latents)
+    assert keep.any() and not keep.all()
+    handle = pipe.store.open(key)  # the edit's own handle is closed when it finishes
+    try:
+        while not state.is_done:
+            pipe.denoise_step([state])
+            template = handle.latents(state.step_index - 1).to(state.latents.dtype)
+            assert torch.equal(state.latents[keep], template[keep])
+            assert not torch.equal(state.latents[~keep], template[~keep])
+    finally:
+        handle.close()
+
+
+@pytest.mark.parametrize("family", ["sdxl-inpaint", "sd2-inpaint"])
+def test_cfg_template_serves_an_edit_without_guidance_its_cond_row(family: str) -> None:
+    """A template captured with CFG (rows: uncond, cond) serves an edit without guidance its
+    conditional row. At the first step both templates' latents are the same noise, so that edit
+    on a CFG template must equal the same edit on a template captured without guidance (inside
+    the edit region; outside it follows each template's own trajectory)."""
+    pipe = fp64_pipeline(family)
+    img = png_bytes(make_image(128, 128, seed=15))
+    spec = dict(image=img, prompt="a chair", seed=4, num_inference_steps=STEPS)
+    with_cfg = pipe.build_template(TemplateSpec(guidance_scale=5.0, **spec))
+    no_cfg = pipe.build_template(TemplateSpec(guidance_scale=1.0, **spec))
+    assert pipe.store.meta(with_cfg).num_rows == 2 and pipe.store.meta(no_cfg).num_rows == 1
+    firsts = []
+    for key in (with_cfg, no_cfg):
+        edit = EditRequest(uid="e", image=None, template_id=key, mask=png_bytes(MASKS["rect"]),
+                           prompt="a lamp", seed=8, guidance_scale=1.0,
+                           num_inference_steps=STEPS)  # fmt: skip
+        state = pipe.preprocess(edit)
+        assert state.path == "masked" and state.num_rows == 1
+        pipe.denoise_step([state])
+        firsts.append(state.latents[state.edit_mask.expand_as(state.latents)])
+    _close(firsts[0], firsts[1])
