@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import io
@@ -70,6 +71,22 @@ def tiny_pipeline(family: str) -> EditPipeline:
 @pytest.fixture(params=FAMILIES)
 def family(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+@pytest.fixture
+def backend_calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
+    """Counts varlen attention calls per backend at the dispatch point (the real backends run)."""
+    from instgenie.engine import attention
+
+    calls: collections.Counter = collections.Counter()
+    run = attention._run_backend
+
+    def counted(*args):
+        calls[args[-1]] += 1
+        return run(*args)
+
+    monkeypatch.setattr(attention, "_run_backend", counted)
+    return calls
 
 
 # ---- tiny UNets on CPU, for the fused-kernel module swaps -----------------------------------

@@ -52,17 +52,23 @@ def test_replay_on_cuda_with_triton(family: str) -> None:
 
 
 @pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
-def test_triton_and_sdpa_backends_agree(family: str) -> None:
+def test_triton_and_sdpa_backends_agree(family: str, backend_calls) -> None:
     pipe = cuda_pipeline(family)
     img, mask = png_bytes(make_image(128, 128, seed=2)), png_bytes(make_mask(128, 128))
     key = pipe.build_template(TemplateSpec(image=img, num_inference_steps=3))
     req = EditRequest(uid="e", image=None, template_id=key, mask=mask, prompt="boots", seed=5,
                       num_inference_steps=3)  # fmt: skip
     outs = {}
-    for backend in ("triton", "sdpa"):
-        pipe.family.masked.attention_backend = backend
-        outs[backend] = _run(pipe, req).latents
-    pipe.family.masked.attention_backend = None
+    try:
+        for backend in ("triton", "sdpa"):
+            pipe.family.masked.attention_backend = backend
+            backend_calls.clear()
+            state = _run(pipe, req)
+            assert state.path == "masked"
+            assert set(backend_calls) == {backend} and backend_calls[backend] > 0
+            outs[backend] = state.latents
+    finally:
+        pipe.family.masked.attention_backend = None
     scale = float(outs["sdpa"].abs().max())
     assert float((outs["triton"] - outs["sdpa"]).abs().max()) <= 1e-4 * scale
 

@@ -39,6 +39,12 @@ def _triton_available() -> bool:
     return True
 
 
+def _triton_interpreting() -> bool:
+    from triton_kernels.varlen_attention import _interpreting
+
+    return _interpreting()
+
+
 @functools.cache
 def _flash_fn():
     try:
@@ -56,6 +62,11 @@ def resolve_backend(name: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" and _triton_available() else "sdpa"
     if name == "triton" and not _triton_available():
         raise RuntimeError("attention backend 'triton' requested but triton is unavailable")
+    if name == "triton" and device.type != "cuda" and not _triton_interpreting():
+        raise RuntimeError(
+            f"attention backend 'triton' on {device.type} needs TRITON_INTERPRET=1 set before "
+            "triton is imported (the compiled kernel runs on CUDA only)"
+        )
     if name == "flash" and _flash_fn() is None:
         raise RuntimeError("attention backend 'flash' requested but flash-attn is not installed")
     return name

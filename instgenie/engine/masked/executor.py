@@ -22,6 +22,7 @@ import torch
 
 from instgenie import env
 from instgenie.cache.loader import BlockLoad, CopyEngine, PipelinedLoader, copy_engine_for
+from instgenie.engine.attention import resolve_backend
 from instgenie.engine.graphs import StepGraphs
 from instgenie.engine.masked import hooks
 from instgenie.engine.masked.context import (
@@ -31,6 +32,7 @@ from instgenie.engine.masked.context import (
     use_context,
 )
 from instgenie.engine.request import RequestState
+from instgenie.errors import ModelLoadError
 
 #: (batch, context) -> block ids that compute all tokens this step (the load planner)
 Planner = Callable[[list[RequestState], StepContext], frozenset[int]]
@@ -47,6 +49,10 @@ class MaskedExecutor:
         self.planner: Planner | None = None
         #: None = INSTGENIE_ATTENTION_BACKEND / auto
         self.attention_backend: str | None = None
+        try:  # a bad setting fails the model load, not the first step that reads a cache
+            resolve_backend(env.attention_backend(), device)
+        except (ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"INSTGENIE_ATTENTION_BACKEND: {e}") from None
         #: "auto": host-tier caches are copied by the pipelined loader on CUDA, device-resident
         #: ones are read in place; "pipelined": always through the loader (tests, benchmarks);
         #: "naive": copy each block's rows on the compute stream right before its use

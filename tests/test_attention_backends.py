@@ -1,0 +1,90 @@
+"""Attention backend selection through the pipeline (CPU; the Triton kernel interpreted).
+
+A masked edit must run its attention on the backend it asked for — counted at the dispatch
+point, `instgenie.engine.attention._run_backend` — and the Triton kernel and the SDPA loop must
+give the same edit (fp32: they differ only in summation order and the kernel's online softmax;
+tolerance 1e-5 of the latents' scale). A bad backend setting fails the model load with a typed
+error, not the first step that reads a cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import functools  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from instgenie.engine import attention  # noqa: E402
+from instgenie.engine.pipeline import EditPipeline  # noqa: E402
+from instgenie.engine.request import EditRequest  # noqa: E402
+from instgenie.engine.templates import TemplateSpec  # noqa: E402
+from instgenie.errors import ModelLoadError  # noqa: E402
+from tests.conftest import make_image, make_mask, png_bytes  # noqa: E402
+from triton_kernels.varlen_attention import _interpreting  # noqa: E402
+
+STEPS = 2
+
+
+@functools.cache
+def fp32_pipeline(family: str) -> EditPipeline:
+    return EditPipeline.load(f"{family}:tiny", dtype="fp32")
+
+
+@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 (CPU kernel)")
+@pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
+def test_masked_edit_runs_the_selected_backend_and_they_agree(family: str, backend_calls) -> None:
+    pipe = fp32_pipeline(family)
+    # 64 x 64 and no CFG rows: the interpreted kernel is slow (SDXL at 128 x 128 with CFG: 70 s)
+    img, mask = png_bytes(make_image(64, 64, seed=2)), png_bytes(make_mask(64, 64))
+    key = pipe.build_template(TemplateSpec(image=img, num_inference_steps=STEPS))
+    req = EditRequest(uid="e", image=None, template_id=key, mask=mask, prompt="boots", seed=5,
+                      guidance_scale=1.0, num_inference_steps=STEPS)  # fmt: skip
+    ex = pipe.family.masked
+    outs = {}
+    try:
+        for backend in ("triton", "sdpa"):
+            ex.attention_backend = backend
+            backend_calls.clear()
+            state = pipe.preprocess(req)
+            assert state.path == "masked"
+            while not state.is_done:
+                pipe.denoise_step([state])
+            assert set(backend_calls) == {backend} and backend_calls[backend] > 0
+            outs[backend] = state.latents
+    finally:
+        ex.attention_backend = None
+    scale = float(outs["sdpa"].abs().max())
+    assert float((outs["triton"] - outs["sdpa"]).abs().max()) <= 1e-5 * scale
+
+
+def test_resolve_backend_names_and_availability(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    with pytest.raises(ValueError, match="unknown attention backend 'bogus'"):
+        attention.resolve_backend("bogus", cpu)
+    assert attention.resolve_backend("auto", cpu) == "sdpa"
+    assert attention.resolve_backend("sdpa", cuda) == "sdpa"
+    monkeypatch.setattr(attention, "_flash_fn", lambda: None)
+    with pytest.raises(RuntimeError, match="flash-attn is not installed"):
+        attention.resolve_backend("flash", cuda)
+    monkeypatch.setattr(attention, "_triton_interpreting", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        attention.resolve_backend("triton", cpu)
+    assert attention.resolve_backend("triton", cuda) == "triton"
+    monkeypatch.setattr(attention, "_triton_available", lambda: False)
+    assert attention.resolve_backend("auto", cuda) == "sdpa"
+    with pytest.raises(RuntimeError, match="triton is unavailable"):
+        attention.resolve_backend("triton", cuda)
+
+
+@pytest.mark.parametrize("setting", ["bogus", "flash"])
+def test_bad_backend_setting_fails_the_model_load(
+    setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INSTGENIE_ATTENTION_BACKEND", setting)
+    monkeypatch.setattr(attention, "_flash_fn", lambda: None)  # flash-attn absent
+    with pytest.raises(ModelLoadError, match="INSTGENIE_ATTENTION_BACKEND"):
+        EditPipeline.load("sd2-inpaint:tiny")
