@@ -24,6 +24,46 @@ EXIT_INVALID_INPUT = 2
 EXIT_MODEL_LOAD = 3
 
 
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"  # argparse names the type in its error message
+    return parse
+
+
+def _mask_ratio(text: str) -> float:
+    """A mask ratio in (0, 1]: an edit changes at least one token, at most all of them."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+_mask_ratio.__name__ = "mask ratio"
+_POSITIVE, _NON_NEGATIVE = _int_at_least(1), _int_at_least(0)
+
+
+def _bench_size(size: int | None, family) -> int:
+    """The image side of a benchmark: a positive multiple of the family's token granule (the
+    pixel size of a token at the coarsest transformer resolution), so ratios are exact."""
+    size = size or family.default_size
+    if size <= 0 or size % family.granule:
+        raise ValidationError(
+            "size", f"must be a positive multiple of {family.granule} for {family.spec}, got {size}"
+        )
+    return size
+
+
 def _sample_asset(name: str) -> bytes:
     return resources.files("instgenie").joinpath("assets", name).read_bytes()
 
@@ -97,7 +137,7 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
 
     model = dataclass_from_args(ModelConfig, args)
     pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype)
-    size = args.size or pipe.family.default_size
+    size = _bench_size(args.size, pipe.family)
     row = bench_step(pipe, args.mask_ratio, args.batch, size, args.warmup, args.iters)
     if args.json:
         print(json.dumps(row))
@@ -120,7 +160,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     model = dataclass_from_args(ModelConfig, args)
     pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype)
     fam = pipe.family
-    size = args.size or fam.default_size
+    size = _bench_size(args.size, fam)
     compute = profile_compute(pipe, size, args.batches, args.ratios, args.warmup, args.iters,
                               log=lambda m: print(m, file=sys.stderr))  # fmt: skip
     loads = {"dram": profile_dram_load(fam.device, args.load_mb)}
@@ -208,11 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench-step", help="one denoising step, masked vs full: FLOPs and ms")
     add_dataclass_args(bench, ModelConfig)
-    bench.add_argument("--mask-ratio", type=float, default=0.2)
-    bench.add_argument("--batch", type=int, default=1, help="requests per batch")
+    bench.add_argument("--mask-ratio", type=_mask_ratio, default=0.2)
+    bench.add_argument("--batch", type=_POSITIVE, default=1, help="requests per batch")
     bench.add_argument("--size", type=int, default=None, help="image side; default: the model's")
-    bench.add_argument("--warmup", type=int, default=2)
-    bench.add_argument("--iters", type=int, default=5)
+    bench.add_argument("--warmup", type=_NON_NEGATIVE, default=2)
+    bench.add_argument("--iters", type=_POSITIVE, default=5)
     bench.add_argument("--json", action="store_true", help="print one JSON line")
     bench.set_defaults(func=cmd_bench_step)
 
@@ -220,10 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(prof, ModelConfig)
     prof.add_argument("-o", "--output", required=True, help="profile JSON, e.g. profiles/X.json")
     prof.add_argument("--size", type=int, default=None)
-    prof.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
-    prof.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.35, 0.5, 1.0])
-    prof.add_argument("--warmup", type=int, default=1)
-    prof.add_argument("--iters", type=int, default=3)
+    prof.add_argument("--batches", type=_POSITIVE, nargs="+", default=[1, 2, 4, 8])
+    prof.add_argument(
+        "--ratios", type=_mask_ratio, nargs="+", default=[0.05, 0.1, 0.2, 0.35, 0.5, 1.0]
+    )
+    prof.add_argument("--warmup", type=_NON_NEGATIVE, default=1)
+    prof.add_argument("--iters", type=_POSITIVE, default=3)
     prof.add_argument("--load-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256])
     prof.add_argument("--disk-dir", default=None, help="profile the disk tier in this directory")
     prof.add_argument("--disk-mb", type=float, nargs="+", default=[4, 16, 64, 256])

@@ -77,3 +77,29 @@ def test_bench_step_json(capsys) -> None:
     assert row["batch"] == 2 and row["token_ratio"] == pytest.approx(0.2, abs=0.01)
     # counted, not estimated: the masked step does fewer FLOPs, but more than m of the full step
     assert 0.2 < row["flops_masked"] / row["flops_full"] < 0.6
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mask-ratio", "0"], "must be in (0, 1], got 0.0"),
+        (["--mask-ratio", "1.5"], "must be in (0, 1], got 1.5"),
+        (["--mask-ratio", "-1"], "must be in (0, 1], got -1.0"),
+        (["--mask-ratio", "x"], "'x' is not a number"),
+        (["--batch", "0"], "must be >= 1, got 0"),
+        (["--iters", "0"], "must be >= 1, got 0"),
+        (["--warmup", "-3"], "must be >= 0, got -3"),
+    ],
+)
+def test_bench_step_rejects_bad_arguments(args, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench-step", "--model", "flux-fill:tiny", *args])
+    assert exc.value.code == 2  # argparse's usage error, before any model is loaded
+    assert message in capsys.readouterr().err
+
+
+def test_bench_step_size_must_be_on_the_token_grid(capsys) -> None:
+    code = main(["bench-step", "--model", "sd2-inpaint:tiny", "--size", "100", "--json"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "size" in err and "must be a positive multiple of" in err and "got 100" in err
