@@ -244,6 +244,21 @@ def test_newcomer_joins_the_running_batch_within_one_step(cont) -> None:
     assert max(e.step for e in _steps_of(log, ib)) < max(e.step for e in _steps_of(log, ia))
 
 
+def test_batch_size_is_the_running_batch_and_returns_to_zero(cont) -> None:
+    handle, _ = cont
+    c = handle.client
+    a = c.edit(**_fields("bs-a", 30, seed=1))
+    _wait_progress(a, 2)
+    b = c.edit(**_fields("bs-b", 30, seed=2))
+    _wait_stat(c, "batch_size_last", 2.0)  # both in the running batch
+    c.cancel("bs-b")
+    c.cancel("bs-a")
+    for h in (a, b):
+        with pytest.raises(WorkerError):
+            h.result(10)
+    _wait_stat(c, "batch_size_last", 0.0)  # the loop holds nothing: not the last batch's 2
+
+
 def test_cancel_mid_run_frees_the_slot(cont) -> None:
     handle, _ = cont
     c = handle.client

@@ -55,6 +55,7 @@ class Child:
     last_iterations: int = -1
     progress_at: float = 0.0  # last time its iterations moved (or it held nothing)
     holding: set[str] = field(default_factory=set)  # uids sent to it and not yet answered
+    running: int = 0  # requests its last heartbeat says it works on (the loop's batch)
     restarts: int = 0
     codec: bool = True  # it may run image codec work (ChildReady)
 

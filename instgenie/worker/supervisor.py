@@ -338,6 +338,7 @@ class Supervisor(ChildProcesses):
                 if msg.loop_iterations != c.last_iterations or not msg.in_flight:
                     c.progress_at = now
                 c.last_iterations = msg.loop_iterations
+                c.running = len(msg.in_flight)
         elif isinstance(msg, ChildReady):
             self.child_ready(msg)
         elif isinstance(msg, Prepared):
@@ -468,8 +469,9 @@ class Supervisor(ChildProcesses):
         for k in ("evictions_dram", "evictions_disk", "bytes_dram", "bytes_disk", "corrupt"):
             if k in self.cache_stats:
                 out[f"cache_{k}"] = self.cache_stats[k]
-        if self.steps:
-            out["batch_size_last"] = float(len(self.steps[-1].members))
+        if self.steps:  # 0 once the loop reports an empty batch (the gauge must come back down)
+            idle = all(c.running == 0 for c in self.children if c.role == "loop")
+            out["batch_size_last"] = 0.0 if idle else float(len(self.steps[-1].members))
         if self.latency:
             arr = np.asarray(self.latency)
             for q in (50, 95, 99):
