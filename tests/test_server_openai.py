@@ -103,6 +103,10 @@ def test_openai_errors_have_openai_shape(client, srv: ServerProcess) -> None:
     r = srv.post("/v1/images/edits", data={"prompt": "x"})  # raw: the exact OpenAI error shape
     assert r.status_code == 400
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    for body in ('{"prompt": "x"}', '{"prompt":'):  # JSON, even broken: says what it takes
+        r = srv.post("/v1/images/edits", data=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_media_type"
+        assert "this route takes multipart/form-data" in r.json()["error"]["message"]
 
 
 def test_raw_multipart_array_form_and_template_hit(srv: ServerProcess) -> None:

@@ -88,9 +88,22 @@ def test_pixel_cap_checked_from_header() -> None:
         decode_image(IMG, limits)
 
 
+def test_header_past_pillows_own_bomb_limit_names_the_configured_limit() -> None:
+    from tests.test_server_harness import png_header
+
+    with pytest.raises(ValidationError, match=r"is 10000000000 pixels \(from its header\); "
+                       r"the limit is 16777216 pixels") as info:  # fmt: skip
+        decode_image(png_header(100_000, 100_000), LimitsConfig())
+    assert info.value.field == "image"
+
+
 def test_image_smaller_than_granule() -> None:
     small = png_bytes(make_image(16, 16))
-    _reject(_edit(image=small, mask=png_bytes(make_mask(16, 16))), "height", "multiple of 32")
+    _reject(_edit(image=small, mask=png_bytes(make_mask(16, 16))), "image",
+            "is 16x16; this model needs at least 32x32 pixels")  # fmt: skip
+    ok = png_bytes(make_image(64, 64))
+    _reject(_edit(image=ok, mask=png_bytes(make_mask(64, 64)), height=48), "height",
+            "48 must be a positive multiple of 32")  # fmt: skip
 
 
 def test_mask_polarity_and_binarisation() -> None:

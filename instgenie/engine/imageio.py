@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 
 import numpy as np
@@ -59,7 +60,7 @@ def open_header(raw: bytes, field: str, limits: LimitsConfig) -> Image.Image:
                 field, f"is not a decodable image of an allowed format ({allowed})"
             ) from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise ValidationError(field, f"is rejected as a decompression bomb: {exc}") from None
+            raise _bomb(field, exc, limits) from None
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
             raise ValidationError(field, f"has a corrupt header: {exc}") from None
     _check_pixels(img, field, limits)
@@ -86,9 +87,19 @@ def _open(data: ImageInput, field: str, limits: LimitsConfig) -> Image.Image:
         except (OSError, SyntaxError, ValueError) as exc:
             raise ValidationError(field, f"is truncated or corrupt ({img.format}): {exc}") from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise ValidationError(field, f"is rejected as a decompression bomb: {exc}") from None
+            raise _bomb(field, exc, limits) from None
     # honour EXIF orientation so that the mask and image are compared as the user sees them
     return ImageOps.exif_transpose(img)
+
+
+def _bomb(field: str, exc: Exception, limits: LimitsConfig) -> ValidationError:
+    """Pillow's own bomb check fires inside Image.open, before ours, for headers past its
+    MAX_IMAGE_PIXELS: answer with the configured limit (the one the client can act on)."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    size = f"{found.group(1)} pixels" if found else "too many pixels"
+    return ValidationError(
+        field, f"is {size} (from its header); the limit is {limits.max_image_pixels} pixels"
+    )
 
 
 def _check_pixels(img: Image.Image, field: str, limits: LimitsConfig) -> None:

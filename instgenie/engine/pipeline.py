@@ -150,10 +150,13 @@ class EditPipeline:
         height = req.height if req.height is not None else h - h % g
         width = req.width if req.width is not None else w - w % g
         for name, value in (("height", height), ("width", width)):
-            if value < g or value % g:
-                src = "" if getattr(req, name) is not None else f" (from the image's {w}x{h})"
+            if getattr(req, name) is None and value < g:  # derived from a too-small image
                 raise ValidationError(
-                    name, f"{value}{src} must be a positive multiple of {g} pixels for this model"
+                    "image", f"is {w}x{h}; this model needs at least {g}x{g} pixels"
+                )
+            if value < g or value % g:
+                raise ValidationError(
+                    name, f"{value} must be a positive multiple of {g} pixels for this model"
                 )
             if height * width > self.limits.max_image_pixels:
                 raise ValidationError(name, f"{width}x{height} exceeds the pixel limit")

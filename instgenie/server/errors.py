@@ -128,6 +128,12 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if request.url.path.startswith(OPENAI_PREFIX) and ctype != "multipart/form-data":
+            # its fields are form parts: any other body reads as "every field missing". 400, as
+            # OpenAI answers every malformed request (its clients raise BadRequestError)
+            why = f"content-type {ctype or 'none'!r}; this route takes multipart/form-data"
+            return error_response(request, ApiError(400, "unsupported_media_type", why, "body"))
         errors = exc.errors()
         first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
         field = _loc_field(tuple(first.get("loc", ())))

@@ -91,7 +91,9 @@ async def images_edits(
     ] = None,
     model: Annotated[str | None, Form(description="the served model id (GET /v1/models)")] = None,
     n: Annotated[int, Form(ge=1, le=10, description="images, each with its own seed")] = 1,
-    size: Annotated[str | None, Form(description="WIDTHxHEIGHT of the output, or auto")] = None,
+    size: Annotated[
+        str | None, Form(description="WxH to generate at, or auto (output: the image's size)")
+    ] = None,
     response_format: Annotated[str | None, Form(description="b64_json (url is not served)")] = None,
     output_format: Annotated[str | None, Form(description="png | jpeg | webp")] = None,
     user: Annotated[str | None, Form(description="end-user id (ignored)")] = None,

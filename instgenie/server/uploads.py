@@ -145,7 +145,7 @@ class _PartCounter:
 
 
 async def read_form(request: Request, cfg: ServerConfig):
-    """The multipart (or urlencoded) form, with the part caps; 400 for a malformed body."""
+    """The multipart form, with the part caps; 400 for a malformed body."""
     try:
         return await request.form(
             max_files=cfg.max_parts, max_fields=cfg.max_parts, max_part_size=cfg.max_field_bytes
@@ -153,6 +153,13 @@ async def read_form(request: Request, cfg: ServerConfig):
     except ApiError:
         raise
     except StarletteHTTPException as exc:
+        if "exceeded maximum size" in str(exc.detail):  # a text part over max_part_size
+            raise ApiError(
+                413,
+                "body_too_large",
+                f"multipart body: a text field is over the {cfg.max_field_bytes}-byte limit "
+                "for text fields (--max-field-bytes); send images as file parts",
+            ) from None
         raise ApiError(400, "bad_multipart", f"multipart body: {exc.detail}") from None
 
 
@@ -197,14 +204,14 @@ async def parse_body(
             raise ApiError(400, "bad_json", f"body: not valid JSON ({exc})") from None
         if not isinstance(data, dict):
             raise ApiError.invalid("body", "expected a JSON object")
-        model = validate_model(json_model, data)
+        model = validate_model(json_model, data, strict=True)
         blobs = {}
         for name in files:
             value = getattr(model, name, None)
             if value is not None:
                 blobs[name] = decode_b64(value, name)
         return model, blobs
-    if ctype not in ("multipart/form-data", "application/x-www-form-urlencoded"):
+    if ctype != "multipart/form-data":  # urlencoded forms cannot carry the image/mask files
         raise ApiError(
             415,
             "unsupported_media_type",
@@ -225,10 +232,11 @@ async def parse_body(
     return validate_model(params_model, text), blobs
 
 
-def validate_model(model: type[pydantic.BaseModel], data: dict):
-    """`model` from `data`; 422 naming the first invalid field."""
+def validate_model(model: type[pydantic.BaseModel], data: dict, strict: bool = False):
+    """`model` from `data`; 422 naming the first invalid field. JSON is validated strictly (no
+    `true` or "2" for an integer); form fields are text, so they are converted."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, strict=strict)
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "body"
