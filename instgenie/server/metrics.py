@@ -48,7 +48,11 @@ class Metrics:
             registry=r,
         )
         self.failures = Counter(
-            "instgenie_edit_failures", "Edits answered with an error, by code", ["code"], registry=r
+            "instgenie_edit_failures",
+            "Admitted edits that failed (worker, timeout, cancel), by code; refused input is in "
+            "instgenie_http_requests_total",
+            ["code"],
+            registry=r,
         )
         self.edit_seconds = Histogram(
             "instgenie_edit_seconds",
@@ -115,7 +119,9 @@ def live_families(server_queue: int, workers: list[dict], templates: dict[str, i
             labels=["worker"],
         ),
         "batch": GaugeMetricFamily(
-            "instgenie_batch_size", "Requests in the worker's last denoise step", labels=["worker"]
+            "instgenie_batch_size",
+            "Requests in the worker's running batch (0 when its loop holds none)",
+            labels=["worker"],
         ),
         "up": GaugeMetricFamily(
             "instgenie_worker_up", "1 if the worker can make progress", labels=["worker"]
