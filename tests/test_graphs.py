@@ -39,11 +39,12 @@ def _template(pipe: EditPipeline, seed: int) -> str:
                                             num_inference_steps=STEPS))  # fmt: skip
 
 
-def _edit(uid: str, key: str | None, box, seed: int) -> EditRequest:
+def _edit(uid: str, key: str | None, box, seed: int, guidance: float | None = None) -> EditRequest:
     img = None if key else png_bytes(make_image(128, 128, seed=9))
     mask = png_bytes(make_mask(128, 128, box))
     return EditRequest(uid=uid, image=img, template_id=key, mask=mask, prompt=f"a {uid} scarf",
-                       seed=seed, num_inference_steps=STEPS, paste_back=False)  # fmt: skip
+                       seed=seed, num_inference_steps=STEPS, guidance_scale=guidance,
+                       paste_back=False)  # fmt: skip
 
 
 def _run_staggered(pipe: EditPipeline, requests: list[EditRequest]) -> list[torch.Tensor]:
@@ -73,6 +74,8 @@ def test_graph_form_equals_plain_path(family: str, step_copy: str, monkeypatch) 
         _edit("b", k2, (0.5, 0.2, 0.9, 0.7), 4),
         _edit("c", None, (0.3, 0.3, 0.6, 0.6), 5),  # full path, in the same batch
         _edit("d", k1, (0.0, 0.6, 1.0, 1.0), 6),
+        # no guidance (UNets: one row) on a template captured with CFG: its cond row
+        _edit("e", k2, (0.2, 0.0, 0.7, 0.4), 7, guidance=1.0),
     ]
     ex.graphs.mode = "off"
     plain = _run_staggered(pipe, reqs)
