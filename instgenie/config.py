@@ -71,6 +71,10 @@ class WorkerConfig:
     #: a child whose loop makes no progress this long while holding requests, seconds, is
     #: killed and restarted (covers the first step's warm-up on a GPU)
     stall_timeout_s: float = 120.0
+    #: one model stage call of the loop outside a step (prompt + VAE encode of an arriving
+    #: request, VAE decode of retiring ones) counts as progress for this long, seconds; past it
+    #: the loop is stuck (huge images on a CPU can take minutes; on a GPU it is well under 1 s)
+    stage_timeout_s: float = 900.0
     #: a child that exited is restarted after at least this long, seconds
     restart_backoff_s: float = 1.0
     #: a template whose capture run was lost this many times (its process died) fails

@@ -72,5 +72,6 @@ def faults() -> dict[str, str]:
 
 
 def fault_gate() -> str:
-    """INSTGENIE_FAULT_GATE: a file path; the "hold" fault holds the loop while it exists."""
+    """INSTGENIE_FAULT_GATE: a file path; the "hold" and "slowenc" faults hold the loop while it
+    exists."""
     return os.environ.get("INSTGENIE_FAULT_GATE", "")

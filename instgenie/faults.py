@@ -5,7 +5,9 @@ with an exception in pre-processing, P2 in post-processing, P3 get NaN latents w
 denoise loop, and P4 freeze the loop (one endless step, heartbeats still going) once it is in the
 running batch. "hold=P5" holds the loop (heartbeats still going) while a request with prompt P5
 is in the running batch and the file named by INSTGENIE_FAULT_GATE exists: a gate tests open by
-deleting the file. Unset (production): every hook is one dict lookup and does nothing.
+deleting the file. "slowenc=P6" holds the loop's encode of a request with prompt P6 the same way
+(a long model stage call outside the steps). Unset (production): every hook is one dict lookup
+and does nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Iterable
 from instgenie.engine.request import RequestState
 from instgenie.env import fault_gate, faults
 
-KINDS = ("pre", "post", "nan", "stall", "hold")
+KINDS = ("pre", "post", "nan", "stall", "hold", "slowenc")
 
 
 class InjectedFault(RuntimeError):
@@ -61,6 +63,16 @@ def stall(states: Iterable[RequestState]) -> None:
 def hold(states: Iterable[RequestState]) -> None:
     """Wait while a running request carries the "hold" marker and the gate file exists."""
     if any(_hit("hold", s.request.prompt) for s in states):
-        gate = fault_gate()
-        while gate and os.path.exists(gate):
-            time.sleep(0.02)
+        _wait_gate()
+
+
+def slow_encode(prompt: str) -> None:
+    """Wait while the gate file exists if `prompt` is the "slowenc" marker."""
+    if _hit("slowenc", prompt):
+        _wait_gate()
+
+
+def _wait_gate() -> None:
+    gate = fault_gate()
+    while gate and os.path.exists(gate):
+        time.sleep(0.02)

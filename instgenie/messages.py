@@ -381,6 +381,10 @@ class Heartbeat(Internal):  # liveness and progress (pre/loop/post -> sup)
     loop_iterations: int  # monotonic; equal in two beats while in_flight is non-empty = stuck
     in_flight: list[str]  # uids the sender holds
     time: float  # sender's time.monotonic(), s (CLOCK_MONOTONIC is host-wide on Linux)
+    #: what the main thread does outside its loop iterations ("encode", "decode"), "" = nothing,
+    #: and since when (sender's time.monotonic(), s)
+    busy: str = ""
+    busy_since: float = 0.0
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

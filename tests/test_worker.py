@@ -455,6 +455,49 @@ def test_loop_death_fails_in_flight_and_recovers() -> None:
         assert stats["restarts_pre_0"] == stats["restarts_post_0"] == 0
 
 
+def test_long_encode_is_busy_not_stalled_until_the_stage_limit(tmp_path: Path) -> None:
+    """A model stage call of the loop (here a held encode) longer than stall_timeout_s, while
+    the loop holds a running request, is progress ("loop_busy_s" > 0), not a stall — until
+    stage_timeout_s, past which the loop is stuck: killed, its requests fail fast."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    cfg = _config(heartbeat_timeout_s=2.0, stall_timeout_s=2.0, stage_timeout_s=6.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("INSTGENIE_FAULT_GATE", str(gate))
+        ctx = _worker(cfg, FAULTS + ",slowenc=FAULT-SLOWENC")
+        h, pids = ctx.__enter__()
+    try:
+        c = h.client
+        loop = int(c.stats()["pid_loop_0"])
+        # 1. held 4 s (> stall 2 s, < stage 6 s) behind a running request: nothing restarts
+        running = c.edit(**_fields("busy-a", 200, seed=1))
+        _wait_progress(running, 2)
+        slow = c.edit(**_fields("busy-b", 2, seed=2, prompt="FAULT-SLOWENC"))
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4.0:
+            stats = c.stats()
+            assert stats["pid_loop_0"] == loop and stats.get("restarts_loop_0", 0) == 0
+            time.sleep(0.2)
+        assert stats["loop_busy_s"] > 2.0  # the encode, not a stalled step
+        gate.unlink()
+        assert slow.result(STEP_DEADLINE_S).num_steps == 2
+        c.cancel("busy-a")
+        with pytest.raises(WorkerError):
+            running.result(10)
+        _wait_stat(c, "loop_busy_s", 0.0)
+        _wait_stat(c, "batch_size_last", 0.0)  # the loop holds nothing: it is not "stalled"
+        # 2. held past the stage limit: the loop is stuck, killed, and its requests fail
+        gate.touch()
+        held = c.edit(**_fields("busy-c", 2, seed=3, prompt="FAULT-SLOWENC"))
+        _expect_worker_died([held], within_s=6.0 + 10)
+        pids.add(loop)
+        gate.unlink()
+        _recovered(h, loop)
+    finally:
+        gate.unlink(missing_ok=True)
+        ctx.__exit__(None, None, None)
+
+
 def test_supervisor_death_takes_children_and_fails_clients() -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("INSTGENIE_FAULTS", "")
@@ -473,6 +516,10 @@ def test_supervisor_death_takes_children_and_fails_clients() -> None:
             time.sleep(0.05)
         assert not [p for p in children if _alive(p)]  # PR_SET_PDEATHSIG
         assert _shm_segments(handle.pid) == []  # the handle cleaned up after it
+        sock = Path(handle.address.removeprefix("ipc://"))  # and removed its socket file
+        while sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not sock.exists()
     finally:
         handle.close(drain=False)
 

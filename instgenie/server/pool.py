@@ -65,7 +65,8 @@ class WorkerSlot:
     def observe(self, stats: dict[str, float], now: float) -> None:
         """Record a Stats answer; the step counter must move while the loop holds requests."""
         steps = stats.get("steps_total", 0.0)
-        if steps != self.steps_seen or not stats.get("in_loop"):
+        # a loop in a VAE/prompt encode or decode (under the worker's stage limit) is working
+        if steps != self.steps_seen or not stats.get("in_loop") or stats.get("loop_busy_s"):
             self.steps_moved_at = now
         self.steps_seen = steps
         self.stats, self.stats_at = stats, now

@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from instgenie.config import Config, from_dict
@@ -64,6 +66,7 @@ class ChildRuntime:
         #: published by the main thread (replaced, never mutated: the beat thread reads them)
         self.iterations = 0
         self.in_flight: tuple[str, ...] = ()
+        self.busy: tuple[str, float] = ("", 0.0)  # (stage, monotonic start): `doing`
         self._stop = threading.Event()
         self._closers: list = []
         #: work messages received but not yet handled (pre/post), in arrival order
@@ -116,6 +119,16 @@ class ChildRuntime:
         self.in_flight = tuple(in_flight)
         self.iterations += 1
 
+    @contextmanager
+    def doing(self, stage: str) -> Iterator[None]:
+        """Mark a long model call of the main thread (heartbeats carry it: the watchdogs count
+        it as progress for `stage_timeout_s`, not as a stalled loop)."""
+        self.busy = (stage, time.monotonic())
+        try:
+            yield
+        finally:
+            self.busy = ("", 0.0)
+
     def ready(self) -> None:
         self._beat.start()
         self.send(ChildReady(role=self.role, index=self.index, pid=os.getpid(),
@@ -125,8 +138,10 @@ class ChildRuntime:
         chan = Channel.push(self.outbox_address, name=f"{self.role}{self.index} beat")
         try:
             while not self._stop.wait(self.wcfg.heartbeat_interval_s):
+                busy, since = self.busy
                 beat = Heartbeat(pid=os.getpid(), loop_iterations=self.iterations,
-                                 in_flight=list(self.in_flight), time=time.monotonic())  # fmt: skip
+                                 in_flight=list(self.in_flight), time=time.monotonic(),
+                                 busy=busy, busy_since=since)  # fmt: skip
                 chan.send(beat, timeout_ms=1000)
         finally:
             chan.close()

@@ -56,6 +56,7 @@ class Child:
     progress_at: float = 0.0  # last time its iterations moved (or it held nothing)
     holding: set[str] = field(default_factory=set)  # uids sent to it and not yet answered
     running: int = 0  # requests its last heartbeat says it works on (the loop's batch)
+    busy_s: float = 0.0  # how long its main thread has been in one model stage call (doing)
     restarts: int = 0
     codec: bool = True  # it may run image codec work (ChildReady)
 
@@ -190,7 +191,7 @@ class ChildProcesses:
         cmd = [sys.executable, "-m", "instgenie.worker.lifeline", "child", json.dumps(spec)]
         c.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         c.started_at = c.last_beat = c.progress_at = time.monotonic()
-        c.ready, c.last_iterations = False, -1
+        c.ready, c.last_iterations, c.running, c.busy_s = False, -1, 0, 0.0
         self.by_pid[c.proc.pid] = c
         log.info("started %s (pid %d)", c.name, c.proc.pid)
 

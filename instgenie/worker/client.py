@@ -320,6 +320,9 @@ class WorkerHandle:
 
     def __init__(self, config: Config, address: str | None = None) -> None:
         self.address = address or ipc_address("worker")
+        #: the socket file of an address made here (our private ipc directory): removed once the
+        #: supervisor has exited, which it cannot do itself when killed
+        self._own_socket = Path(self.address.removeprefix("ipc://")) if address is None else None
         spec = {"address": self.address, "config": to_dict(config), "die_with_parent": True,
                 "parent": os.getpid()}  # fmt: skip
         env = dict(os.environ)
@@ -340,6 +343,8 @@ class WorkerHandle:
         from instgenie.tensorshm import cleanup  # (torch: not at import time of the API process)
 
         cleanup(shm_base(self.proc.pid))  # segments of children it could not clean up itself
+        if self._own_socket is not None:
+            self._own_socket.unlink(missing_ok=True)
         self.client.fail_all("worker_died", f"the worker supervisor exited with status {rc}")
 
     def close(self, drain: bool = True, timeout: float = 60.0) -> int:

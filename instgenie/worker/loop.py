@@ -105,7 +105,8 @@ class Loop:
             try:
                 tensors = unpack(msg.state, unlink=True)
                 if msg.meta.get("inputs"):  # model_stages="loop": encode here
-                    state = self.encode(tensors, msg.meta)
+                    with self.rt.doing("encode"):
+                        state = self.encode(tensors, msg.meta)
                 else:
                     state = from_parts(tensors, msg.meta, self.device)
             except Exception as e:
@@ -134,6 +135,7 @@ class Loop:
         """Pre-processing's model half for decoded inputs (prompt and VAE encode, noise)."""
         t0 = time.perf_counter()
         uid, inputs, extras = inputs_from_parts(tensors, meta)
+        faults.slow_encode(inputs.request.prompt)
         state = self.pipe.encode_inputs(inputs)
         state.uid = uid
         state.extras.update(extras, encode_ms=1e3 * (time.perf_counter() - t0))
@@ -250,10 +252,11 @@ class Loop:
         images: list[Image.Image | None] = [None] * len(finished)
         if self.decode_here:
             t0 = time.perf_counter()
-            try:
-                images = list(self.pipe.decode_latents([s for s, _ in finished]))
-            except Exception:
-                images = [self._decode_one(s) for s, _ in finished]
+            with self.rt.doing("decode"):
+                try:
+                    images = list(self.pipe.decode_latents([s for s, _ in finished]))
+                except Exception:
+                    images = [self._decode_one(s) for s, _ in finished]
             ms = 1e3 * (time.perf_counter() - t0) / len(finished)
         for (state, denoise_ms), img in zip(finished, images, strict=True):
             if self.decode_here and img is None:

@@ -335,10 +335,16 @@ class Supervisor(ChildProcesses):
             if c is not None:
                 now = time.monotonic()
                 c.last_beat = now
-                if msg.loop_iterations != c.last_iterations or not msg.in_flight:
+                # a model stage call (ChildRuntime.doing) is progress until its time limit, then
+                # the child is stuck whether or not it holds requests
+                took = msg.time - msg.busy_since if msg.busy else 0.0
+                busy, stuck = 0.0 < took < self.w.stage_timeout_s, took >= self.w.stage_timeout_s
+                moved = msg.loop_iterations != c.last_iterations or not msg.in_flight
+                if busy or (moved and not stuck):
                     c.progress_at = now
                 c.last_iterations = msg.loop_iterations
                 c.running = len(msg.in_flight)
+                c.busy_s = took if busy else 0.0
         elif isinstance(msg, ChildReady):
             self.child_ready(msg)
         elif isinstance(msg, Prepared):
@@ -457,6 +463,8 @@ class Supervisor(ChildProcesses):
         )
         out["ready"] = float(self.ready)
         out["steps_total"] = float(self.step_offset + self.loop_steps)
+        #: > 0 while the loop encodes/decodes (under stage_timeout_s): busy, not stalled
+        out["loop_busy_s"] = max((c.busy_s for c in self.children if c.role == "loop"), default=0)
         out["uptime_s"] = time.monotonic() - self.started
         out["garbage_frames"] = float(self.server.garbage_frames + self.inbox.garbage_frames)
         out["pid_supervisor"] = float(os.getpid())
