@@ -71,6 +71,17 @@ def _cu(lengths: list[int], device: torch.device | str = DEVICE) -> torch.Tensor
     return out.to(device)
 
 
+def _generator(what: str) -> torch.Generator:
+    """A CPU generator on a fresh seed, printed (pytest shows it on failure: reproduce with it)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"{what} seed={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def _perm(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.randperm(n, generator=_generator("randperm")).to(device)
+
+
 def _inputs(
     n_q: list[int],
     n_k: list[int],
@@ -82,10 +93,7 @@ def _inputs(
     q_spread: float = 2.0,
 ):
     """Fresh random (never zero) q, k, v; q_spread > 1 widens scores so the row max moves."""
-    if gen is None:
-        seed = int.from_bytes(os.urandom(4), "little")
-        print(f"_inputs seed={seed}")  # shown by pytest on failure; reproduce with gen=
-        gen = torch.Generator().manual_seed(seed)
+    gen = gen or _generator("_inputs")
 
     def rand(rows: int, scale: float = 1.0) -> torch.Tensor:
         x = torch.randn(rows, heads, head_dim, generator=gen) * scale
@@ -152,7 +160,7 @@ def test_q_index_gather(index_dtype: torch.dtype, dtype: torch.dtype) -> None:
     heads, head_dim = 2, 32
     src, k, v, _, cu_k = _inputs(n_k, n_k, heads, head_dim, dtype)
     starts = _cu(n_k).tolist()
-    picks = [starts[i] + torch.randperm(n_k[i])[: n_q[i]] for i in range(len(n_k))]
+    picks = [starts[i] + _perm(n_k[i])[: n_q[i]] for i in range(len(n_k))]
     index = torch.cat(picks).to(device=DEVICE, dtype=index_dtype)
     cu_q = _cu(n_q)
     got = _run(src, k, v, cu_q, cu_k, n_q, n_k, q_index=index)
@@ -194,7 +202,7 @@ def test_configs_match_reference(
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, _reference(q, k, v, cu_q, cu_k), **TOLS[dtype])
     # A q_index gather has no TMA form: warp-specialized configs fall back to pointer loads.
-    index = torch.randperm(sum(n_q), device=DEVICE)
+    index = _perm(sum(n_q), DEVICE)
     got = _run(q, k, v, cu_q, cu_k, n_q, n_k, q_index=index)
     torch.testing.assert_close(got, _reference(q[index], k, v, cu_q, cu_k), **TOLS[dtype])
 
@@ -415,7 +423,7 @@ class TestGpu:
         n_q = [round(f * 4096) for f in fracs]
         src, k, v, _, cu_k = _inputs(n_k, n_k, heads, head_dim, dtype, "cuda", q_spread=1.0)
         index = torch.cat(
-            [i * seq + torch.randperm(4096)[:nq].sort().values for i, nq in enumerate(n_q)]
+            [i * seq + _perm(4096)[:nq].sort().values for i, nq in enumerate(n_q)]
         ).to("cuda")
         cu_q = _cu(n_q, "cuda")
         got = _run(src, k, v, cu_q, cu_k, n_q, n_k, q_index=index)
