@@ -6,10 +6,20 @@ import collections
 import copy
 import functools
 import io
+import os
 
-import numpy as np
-import pytest
 import torch
+
+# Triton decides at import whether its @jit functions (its own standard library included) are
+# interpreted, and the imports below import triton (through diffusers). Without a GPU the
+# kernels can only run interpreted: default to that here, before anything imports triton, so a
+# plain `pytest` works like scripts/test.sh. On a GPU machine nothing is set (compiled kernels;
+# TRITON_INTERPRET=1 still selects the interpreter explicitly).
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 from PIL import Image, ImageDraw
 
 from instgenie.engine.adapters.base import AdapterBase
