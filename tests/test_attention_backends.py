@@ -9,22 +9,18 @@ error, not the first step that reads a cache.
 
 from __future__ import annotations
 
-import os
+import functools
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+import pytest
+import torch
 
-import functools  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from instgenie.engine import attention  # noqa: E402
-from instgenie.engine.pipeline import EditPipeline  # noqa: E402
-from instgenie.engine.request import EditRequest  # noqa: E402
-from instgenie.engine.templates import TemplateSpec  # noqa: E402
-from instgenie.errors import ModelLoadError  # noqa: E402
-from tests.conftest import make_image, make_mask, png_bytes  # noqa: E402
-from triton_kernels.varlen_attention import _interpreting  # noqa: E402
+from instgenie.engine import attention
+from instgenie.engine.pipeline import EditPipeline
+from instgenie.engine.request import EditRequest
+from instgenie.engine.templates import TemplateSpec
+from instgenie.errors import ModelLoadError
+from tests.conftest import make_image, make_mask, png_bytes
+from triton_kernels.varlen_attention import _interpreting
 
 STEPS = 2
 

@@ -3,21 +3,17 @@ TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
-import os
+import copy
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+import pytest
+import torch
+from torch import nn
 
-import copy  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from instgenie.engine import fused_conv  # noqa: E402
-from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint  # noqa: E402
-from instgenie.engine.fused_conv import BiasKernelConv2d, fuse_conv_bias  # noqa: E402
-from tests.conftest import swapped_unet_run, tiny_components  # noqa: E402
-from triton_kernels.bias_add import (  # noqa: E402
+from instgenie.engine import fused_conv
+from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint
+from instgenie.engine.fused_conv import BiasKernelConv2d, fuse_conv_bias
+from tests.conftest import swapped_unet_run, tiny_components
+from triton_kernels.bias_add import (
     _MAX_BLOCK,
     add_channel_bias_,
     add_channel_bias_reference,

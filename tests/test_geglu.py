@@ -3,18 +3,14 @@ TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+from diffusers.models.activations import GEGLU
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from diffusers.models.activations import GEGLU  # noqa: E402
-
-from instgenie.engine import fused_geglu  # noqa: E402
-from instgenie.engine.fused_geglu import FusedGEGLU, fuse_geglu  # noqa: E402
-from tests.conftest import swapped_unet_run  # noqa: E402
-from triton_kernels.geglu import _MAX_BLOCK, geglu, geglu_reference  # noqa: E402
+from instgenie.engine import fused_geglu
+from instgenie.engine.fused_geglu import FusedGEGLU, fuse_geglu
+from tests.conftest import swapped_unet_run
+from triton_kernels.geglu import _MAX_BLOCK, geglu, geglu_reference
 
 #: relative to the largest |output|: the output rounding (half an ulp), plus erf's last float32
 #: ulp, which can flip the rounding of gelu (the float32 bound also covers 1 + erf(x)'s

@@ -3,21 +3,17 @@ UNets/VAEs (CPU: TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
-import os
+import copy
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+import pytest
+import torch
+from diffusers.models.resnet import ResnetBlock2D
 
-import copy  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from diffusers.models.resnet import ResnetBlock2D  # noqa: E402
-
-from instgenie.engine import fused_norms  # noqa: E402
-from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint  # noqa: E402
-from instgenie.engine.fused_norms import FusedGroupNorm, fuse_group_norms  # noqa: E402
-from tests.conftest import swapped_unet_run, tiny_components  # noqa: E402
-from triton_kernels.group_norm import _BLOCK, group_norm, group_norm_reference  # noqa: E402
+from instgenie.engine import fused_norms
+from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint
+from instgenie.engine.fused_norms import FusedGroupNorm, fuse_group_norms
+from tests.conftest import swapped_unet_run, tiny_components
+from triton_kernels.group_norm import _BLOCK, group_norm, group_norm_reference
 
 #: one rounding of the output dtype, relative to the largest |output| (the kernel rounds once;
 #: torch rounds the normalised value and then SiLU's result: that is the error being bounded)

@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from diffusers.models.embeddings import apply_rotary_emb  # noqa: E402
-from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402
-
-from triton_kernels.rmsnorm_rope import rmsnorm_rope, rmsnorm_rope_reference  # noqa: E402
+from triton_kernels.rmsnorm_rope import rmsnorm_rope, rmsnorm_rope_reference
 
 #: tolerance relative to the largest output: float32 1e-5 (operation order); 16-bit two units of
 #: the output dtype — the kernel's float32 1/sqrt may differ from torch.rsqrt in the last bit,

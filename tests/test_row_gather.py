@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from triton_kernels.row_gather import _reference, row_gather  # noqa: E402
+from triton_kernels.row_gather import _reference, row_gather
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

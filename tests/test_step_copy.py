@@ -3,14 +3,10 @@ TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from triton_kernels.step_copy import _BLOCK, copy_step, copy_step_reference  # noqa: E402
+from triton_kernels.step_copy import _BLOCK, copy_step, copy_step_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

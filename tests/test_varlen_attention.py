@@ -1,10 +1,10 @@
 """Tests of triton_kernels.varlen_attention against its torch reference.
 
-``@triton.jit`` decides whether to build an interpreted function when the kernel module is
-*imported*, so TRITON_INTERPRET must be set before triton (and the kernel module) is imported:
-this module sets it first thing, with ``setdefault``, so that by default everything runs on the
-CPU under Triton's interpreter. The interpreted kernel runs on CPU tensors and uses 16x16 tiles,
-so the small shapes below (lengths <= 80 tokens, H <= 2) cover several full tiles, partial tiles
+``@triton.jit`` decides whether to build an interpreted function when the kernel module (and
+triton itself, for its own jit library) is *imported*, so TRITON_INTERPRET must be set before
+triton is imported: tests/conftest.py sets it first thing on machines without a GPU, so that by
+default everything runs on the CPU under Triton's interpreter. The interpreted kernel runs on CPU
+tensors and uses 16x16 tiles, so the small shapes below (lengths <= 80 tokens, H <= 2) cover several full tiles, partial tiles
 and single-key requests. On a GPU machine, ``TRITON_INTERPRET=0 pytest --gpu`` compiles the
 kernel: the same small tests then run on CUDA tensors with the GPU tile sizes, and ``TestGpu``
 adds serving shapes (it is skipped while the kernel is interpreted: far too slow).
@@ -32,13 +32,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from triton_kernels import varlen_attention as va  # noqa: E402
-from triton_kernels.varlen_attention import (  # noqa: E402
+from triton_kernels import varlen_attention as va
+from triton_kernels.varlen_attention import (
     _interpreting,
     _reference,
     varlen_attention,
