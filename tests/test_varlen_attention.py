@@ -1,13 +1,13 @@
 """Tests of triton_kernels.varlen_attention against its torch reference.
 
-``@triton.jit`` decides whether to build an interpreted function when the kernel module (and
-triton itself, for its own jit library) is *imported*, so TRITON_INTERPRET must be set before
-triton is imported: tests/conftest.py sets it first thing on machines without a GPU, so that by
-default everything runs on the CPU under Triton's interpreter. The interpreted kernel runs on CPU
-tensors and uses 16x16 tiles, so the small shapes below (lengths <= 80 tokens, H <= 2) cover several full tiles, partial tiles
-and single-key requests. On a GPU machine, ``TRITON_INTERPRET=0 pytest --gpu`` compiles the
-kernel: the same small tests then run on CUDA tensors with the GPU tile sizes, and ``TestGpu``
-adds serving shapes (it is skipped while the kernel is interpreted: far too slow).
+``@triton.jit`` decides whether to build an interpreted function when the kernel module (and triton
+itself, for its own jit library) is *imported*, so TRITON_INTERPRET must be set before triton is
+imported: tests/conftest.py sets it first thing on machines without a GPU, so that by default
+everything runs on the CPU under Triton's interpreter. The interpreted kernel runs on CPU tensors
+and uses 16x16 tiles, so the small shapes below (lengths <= 80 tokens, H <= 2) cover several full
+tiles, partial tiles and single-key requests. On a GPU machine, ``TRITON_INTERPRET=0 pytest --gpu``
+compiles the kernel: the same small tests then run on CUDA tensors with the GPU tile sizes, and
+``TestGpu`` adds serving shapes (it is skipped while the kernel is interpreted: far too slow).
 
 Tolerances (atol, rtol), output vs the fp32 reference:
 * fp32: 1e-4 / 1e-4 -- the interpreter's tl.dot is an fp32 numpy matmul, and on GPUs fp32 inputs
