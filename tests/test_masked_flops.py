@@ -46,12 +46,12 @@ def _block_names(model: torch.nn.Module) -> set[str]:
     return {f"{root}.{n}" for n, m in model.named_modules() if isinstance(m, kinds)}
 
 
-def _count_step(pipe: EditPipeline, state) -> tuple[int, int]:
-    """(FLOPs inside transformer blocks, total FLOPs) of one denoising step."""
+def _count_step(pipe: EditPipeline, *states) -> tuple[int, int]:
+    """(FLOPs inside transformer blocks, total FLOPs) of one denoising step of these requests."""
     backbone = pipe.family.backbone
     # the math SDPA backend decomposes into counted matmuls (the fused CPU kernel is not counted)
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False, depth=None) as fc:
-        pipe.denoise_step([state])
+        pipe.denoise_step(list(states))
     counts = fc.get_flop_counts()
     blocks = _block_names(backbone)
     in_blocks = sum(sum(c.values()) for name, c in counts.items() if name in blocks)
@@ -133,11 +133,13 @@ def _probe_blocks(pipe: EditPipeline, size: int) -> dict[int, list[BasicTransfor
     return {L: list(dict.fromkeys(mods)) for L, mods in seen.items()}
 
 
-def _edit(template_id: str | None, size: int) -> EditRequest:
+def _edit(
+    template_id: str | None, size: int, box=BOX, image_seed: int = 1, uid: str = "flops"
+) -> EditRequest:
     return EditRequest(
-        uid="flops",
-        image=png_bytes(make_image(size, size, seed=1)),
-        mask=png_bytes(make_mask(size, size, BOX)),
+        uid=uid,
+        image=png_bytes(make_image(size, size, seed=image_seed)),
+        mask=png_bytes(make_mask(size, size, box)),
         prompt="a wool coat",
         num_inference_steps=3,
         template_id=template_id,
@@ -171,3 +173,40 @@ def test_masked_step_flops_within_table1(family: str) -> None:
     rest = full_total - full_blocks
     assert masked_total - masked_blocks == rest  # non-transformer part unchanged
     assert masked_total <= rest + expected * full_blocks * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
+def test_mixed_batch_costs_the_sum_of_its_requests(family: str) -> None:
+    """One batch of two templates, two masks (m = 0.2 and 0.06), two step indices and a full-path
+    request costs exactly what its requests cost alone: masked tokens are packed, not padded to
+    the largest mask (padding would charge the m = 0.06 request the m = 0.2 one's projections
+    and feed-forward), and a full-path row costs a full row."""
+    pipe, size = pipeline(family), SIZES[family]
+    keys = [
+        pipe.build_template(
+            TemplateSpec(image=png_bytes(make_image(size, size, seed=s)), num_inference_steps=3)
+        )
+        for s in (1, 2)
+    ]
+    small = (0.5, 0.5, 0.8, 0.7)  # 0.3 x 0.2 of the image = 0.06
+
+    def states():
+        a = pipe.preprocess(_edit(keys[0], size, uid="a"))
+        b = pipe.preprocess(_edit(keys[1], size, small, image_seed=2, uid="b"))
+        c = pipe.preprocess(_edit(None, size, uid="c"))
+        pipe.denoise_step([a])  # a is one step ahead of b and c
+        return a, b, c
+
+    a, b, c = states()
+    assert (a.path, b.path, c.path) == ("masked", "masked", "full")
+    for state, m in ((a, M), (b, 0.06)):
+        ratios = [idx.numel() / L for L, idx in state.token_index.items()]
+        assert ratios == pytest.approx([m] * len(ratios), abs=1e-9), (state.uid, ratios)
+    assert (a.step_index, b.step_index, c.step_index) == (1, 0, 0)
+
+    mixed_blocks, mixed_total = _count_step(pipe, a, b, c)
+    alone = [_count_step(pipe, s) for s in states()]
+    # FLOP counts are integers of the shapes run: equal, not approximately equal
+    assert mixed_blocks == sum(blocks for blocks, _ in alone), (mixed_blocks, alone)
+    assert mixed_total == sum(total for _, total in alone)
+    assert alone[1][0] < alone[0][0] < alone[2][0]  # m = 0.06 < m = 0.2 < full
