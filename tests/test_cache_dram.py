@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,14 +153,55 @@ def test_drop_without_disk_and_failed_demotion(tmp_path: Path, ns: str) -> None:
 
 
 def test_dev_shm_full_is_a_clean_error(tmp_path: Path, ns: str, monkeypatch) -> None:  # noqa: ANN001
-    def full(self: Segment) -> None:
+    """posix_fallocate fails with ENOSPC on a full /dev/shm: CacheFull, nothing left behind, and
+    no byte of the segment written before it (on a real full tmpfs that write is a SIGBUS)."""
+    written_before = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        written_before.append(any(os.pread(fd, length, offset)))
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(Segment, "reserve_memory", full)
+    monkeypatch.setattr(dram_mod.os, "posix_fallocate", full)
     tier = DramTier(tmp_path, ns, 10 * N)
-    with pytest.raises(CacheFull):
+    with pytest.raises(CacheFull, match="/dev/shm cannot hold"):
         tier.create(KA, LAYOUT)
+    assert written_before == [False]
     assert tier.status(KA) == "absent" and shm_names(ns) == []
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root (private tmpfs)"
+)
+def test_real_full_dev_shm_is_cache_full_not_sigbus(tmp_path: Path) -> None:
+    """The same on a real full tmpfs over /dev/shm, in a private mount namespace."""
+    script = textwrap.dedent(
+        """
+        mount -t tmpfs -o size=256k tmpfs /dev/shm || exit 77
+        dd if=/dev/zero of=/dev/shm/filler bs=4k 2>/dev/null
+        exec "$0" -c "$1" "$2"
+        """
+    )
+    child = textwrap.dedent(
+        """
+        import sys
+        from instgenie.cache.dram import DramTier
+        from instgenie.cache.index import CacheFull
+        from instgenie.cache.layout import TemplateLayout
+        tier = DramTier(sys.argv[1], "full", 1 << 30)
+        try:
+            tier.create("ef" * 32, TemplateLayout(2, 1, "float32", ((64, 64),), (1, 4, 4)))
+        except CacheFull as e:
+            print("CacheFull:", e)
+        """
+    )
+    r = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, sys.executable, child, str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if r.returncode == 77 or "unshare failed" in r.stderr:
+        pytest.skip(f"no private mount namespace here: {r.stderr.strip()}")
+    assert r.returncode == 0, (r.returncode, r.stderr)  # -7: killed by SIGBUS
+    assert "CacheFull: /dev/shm cannot hold" in r.stdout
 
 
 def test_views_outlive_release_without_dangling(tmp_path: Path, ns: str) -> None:

@@ -166,24 +166,38 @@ def _cudart(fn: str, *args: int) -> bool:
 class Segment:
     """A template's segment mapped into this process; `data` is a zero-copy uint8 view."""
 
-    def __init__(self, shm: shared_memory.SharedMemory, key: str, layout: TemplateLayout) -> None:
+    def __init__(
+        self,
+        shm: shared_memory.SharedMemory,
+        key: str,
+        layout: TemplateLayout,
+        hdr: int | None = None,
+    ) -> None:
+        """hdr: the header's size in bytes (None: read it from the segment)."""
         self.shm, self.key, self.layout = shm, key, layout
-        _, _, hdr, _ = SEG_HEADER.unpack_from(shm.buf)
+        if hdr is None:
+            _, _, hdr, _ = SEG_HEADER.unpack_from(shm.buf)
         self.data: torch.Tensor | None = as_uint8(shm.buf)[hdr : hdr + layout.nbytes]
+
+    @staticmethod
+    def _meta(key: str, layout: TemplateLayout) -> tuple[bytes, int]:
+        """(header JSON, header bytes rounded up to a page)."""
+        meta = json.dumps({"key": key, "layout": layout.to_dict()}).encode()
+        return meta, align_up(SEG_HEADER.size + len(meta), PAGE)
 
     @classmethod
     def create(cls, namespace: str, key: str, layout: TemplateLayout) -> Segment:
+        """Create the named segment at its full size without touching a page: `allocate` backs
+        the pages and writes the header (a write into an unbacked page of a full /dev/shm is a
+        SIGBUS, not an error)."""
         name = segment_name(namespace, key)
-        meta = json.dumps({"key": key, "layout": layout.to_dict()}).encode()
-        hdr = align_up(SEG_HEADER.size + len(meta), PAGE)
+        size = cls._meta(key, layout)[1] + layout.nbytes
         try:
-            shm = _open_shm(name, hdr + layout.nbytes)
+            shm = _open_shm(name, size)
         except FileExistsError:  # debris not listed by the index (we hold the reservation)
             _unlink_shm(name)
-            shm = _open_shm(name, hdr + layout.nbytes)
-        SEG_HEADER.pack_into(shm.buf, 0, SEG_MAGIC, 0, hdr, len(meta))
-        shm.buf[SEG_HEADER.size : SEG_HEADER.size + len(meta)] = meta
-        return cls(shm, key, layout)
+            shm = _open_shm(name, size)
+        return cls(shm, key, layout, cls._meta(key, layout)[1])
 
     @classmethod
     def attach(cls, namespace: str, key: str) -> Segment:
@@ -205,10 +219,13 @@ class Segment:
             raise CacheMiss(f"{key[:12]}: {e}") from None
         return cls(shm, key, layout)
 
-    def reserve_memory(self) -> None:
-        """Allocate every page now: on a full /dev/shm this raises OSError(ENOSPC) here instead
-        of SIGBUS at the first write into an unbacked page."""
+    def allocate(self) -> None:
+        """Back every page, then write the header (not ready yet): on a full /dev/shm this
+        raises OSError(ENOSPC) before any page is written, instead of a SIGBUS."""
         os.posix_fallocate(self.shm._fd, 0, self.shm.size)  # type: ignore[attr-defined]
+        meta, hdr = self._meta(self.key, self.layout)
+        SEG_HEADER.pack_into(self.shm.buf, 0, SEG_MAGIC, 0, hdr, len(meta))
+        self.shm.buf[SEG_HEADER.size : SEG_HEADER.size + len(meta)] = meta
 
     def set_ready(self) -> None:
         struct.pack_into("<Q", self.shm.buf, 8, 1)
@@ -401,7 +418,7 @@ class DramTier:
                 t.idx.abort(key, "dram")
                 raise
         try:
-            seg.reserve_memory()
+            seg.allocate()  # outside the host lock: backing tens of GB takes a while
         except OSError as e:
             self.abort(seg)
             raise CacheFull(f"/dev/shm cannot hold {layout.nbytes} bytes: {e}") from e
