@@ -187,6 +187,41 @@ def test_drop_when_disk_disabled_and_reenable() -> None:
     assert not idx0.is_enabled("disk")
 
 
+def test_loading_a_disk_entry_never_evicts_its_file() -> None:
+    """Loading d (disk only, its LRU entry) into full DRAM demotes a, and making disk room for a
+    must not pick d: its file is what the loader is about to read."""
+    idx, clock = make(dram=50, disk=100)
+    put(idx, clock, "d", 50, tier="disk")  # least recently used on disk
+    put(idx, clock, "e", 50, tier="disk")
+    put(idx, clock, "a", 50)
+    evs = idx.reserve("d", "dram", 50)  # the load of d
+    assert Eviction("d", "disk", 50) not in evs
+    assert evs == [Eviction("e", "disk", 50), Eviction("a", "dram", 50, demote_to="disk")]
+    assert idx.state("d", "disk") == "ready"
+    # while d is building in DRAM, no other reservation takes its disk entry either
+    assert idx.commit("a", "disk")
+    with pytest.raises(CacheFull):
+        idx.reserve("f", "disk", 60)  # only d's 50 bytes could make room: in use
+    assert idx.evict_for("disk", 100) == [Eviction("a", "disk", 50)]
+    assert idx.commit("d", "dram")
+    assert idx.reserve("f", "disk", 60) == [Eviction("d", "disk", 50)]  # loaded: evictable
+    idx.check_invariants()
+
+
+def test_capacity_above_zero_switches_a_configured_off_tier_on() -> None:
+    idx, clock = make(dram=50, disk=0)
+    assert not idx.is_enabled("disk")
+    idx.set_capacity("disk", 100)  # the operator turned the disk tier on
+    assert idx.is_enabled("disk")
+    put(idx, clock, "x", 30, tier="disk")
+    # switched off by a failure (ENOSPC): a new capacity alone does not switch it on
+    idx.disable_tier("disk")
+    idx.set_capacity("disk", 200)
+    assert not idx.is_enabled("disk")
+    idx.enable_tier("disk")
+    assert idx.is_enabled("disk")
+
+
 def test_commit_after_tier_disabled_reports_false() -> None:
     idx, _ = make(dram=10, disk=10)
     idx.reserve("a", "disk", 5)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from instgenie.cache.disk import CacheMiss
+from instgenie.cache.disk import CacheMiss, DiskTier
 from instgenie.cache.dram import cleanup
 from instgenie.cache.index import CacheFull, EntryInUse
 from instgenie.cache.layout import TemplateLayout
@@ -235,6 +235,90 @@ def test_disk_full_runs_without_disk_and_recovers(store: TieredStore) -> None:
     t = write(store, KD, 3)  # demotes KC (persist just used KB) to disk again
     assert store.status(KC) == "disk" and store.stats()["disk_enabled"]
     assert_same(store, KD, t)
+
+
+def _enospc(fd: int, mv: memoryview, off: int) -> int:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_disk_tier_switches_itself_back_on_when_space_returns(tmp_path: Path, ns: str) -> None:
+    with make(tmp_path, ns, dram=1, recover_interval_s=0.0) as store:
+        store.disk._pwrite = _enospc
+        write(store, KA, 1)
+        write(store, KB, 2)  # KA's demotion hits ENOSPC twice: the tier is off
+        assert not store.stats()["disk_enabled"] and store.status(KA) == "absent"
+        store.disk._pwrite = os.pwrite  # space is back; nobody calls recover_disk()
+        write(store, KC, 3)  # the capture checks the filesystem first: KB is demoted to disk
+        assert store.stats()["disk_enabled"] and store.status(KB) == "disk"
+    with make(tmp_path / "x", ns + "x", dram=1, recover_interval_s=3600.0) as store:
+        write(store, KA, 1)  # the first capture checked; the next check is an hour away
+        store.disk._pwrite = _enospc
+        write(store, KB, 2)
+        store.disk._pwrite = os.pwrite
+        write(store, KC, 3)
+        assert not store.stats()["disk_enabled"] and store.status(KB) == "absent"
+    cleanup(ns + "x")
+
+
+def test_restart_retries_a_disk_tier_that_enospc_switched_off(tmp_path: Path, ns: str) -> None:
+    store = make(tmp_path, ns, dram=1)
+    store.disk._pwrite = _enospc
+    write(store, KA, 1)
+    write(store, KB, 2)
+    assert not store.stats()["disk_enabled"]  # persisted in the host index
+    store.close()
+    with make(tmp_path, ns, dram=1) as again:  # space is back, the worker restarts
+        write(again, KC, 3)  # demotes KB
+        assert again.stats()["disk_enabled"] and again.status(KB) == "disk"
+
+
+def test_restart_with_the_disk_tier_switched_on_uses_it(tmp_path: Path, ns: str) -> None:
+    with make(tmp_path, ns, dram=1, disk_enabled=False) as store:
+        write(store, KA, 1)
+    with make(tmp_path, ns, dram=1) as store:  # the operator turned the disk tier on
+        write(store, KB, 2)
+        write(store, KC, 3)
+        assert store.stats()["disk_enabled"] and store.status(KB) == "disk"
+
+
+def test_loading_from_disk_keeps_the_entry_being_loaded(tmp_path: Path, ns: str) -> None:
+    """Disk holds KA (LRU) and KB, DRAM holds KC: loading KA demotes KC, and the disk room for
+    KC must not be made by deleting KA's file before it is read."""
+    with make(tmp_path, ns, dram=1, disk=2) as store:
+        ta = write(store, KA, 1)
+        write(store, KB, 2)  # demotes KA
+        write(store, KC, 3)  # demotes KB
+        assert [store.status(k) for k in (KA, KB, KC)] == ["disk", "disk", "dram"]
+        assert_same(store, KA, ta)
+        assert [store.status(k) for k in (KA, KB, KC)] == ["dram", "absent", "disk"]
+        assert sorted(store.disk.keys()) == sorted([KA, KC])
+
+
+def test_a_second_process_starting_keeps_an_entry_committed_meanwhile(
+    tmp_path: Path, ns: str, monkeypatch
+) -> None:  # noqa: ANN001
+    """A worker starting lists the disk files to reconcile the index; another worker demoting
+    an entry right then must not have it forgotten (an orphan file, uncounted, never evicted)."""
+    a = make(tmp_path, ns, dram=1)  # the other worker (its own lock file descriptor)
+    write(a, KA, 1)
+    real_scan = DiskTier.scan
+    other = threading.Thread(target=write, args=(a, KB, 2))  # demotes KA to disk
+
+    def scan(self: DiskTier) -> list:
+        out = real_scan(self)
+        if not other.is_alive() and other.ident is None:
+            other.start()
+            other.join(timeout=2.0)  # finishes now unless the listing holds the host lock
+        return out
+
+    monkeypatch.setattr(DiskTier, "scan", scan)
+    try:
+        with make(tmp_path, ns, dram=1):
+            pass
+        other.join()
+        assert a.status(KA) == "disk" and a.stats()["bytes_disk"] == N
+    finally:
+        a.close()
 
 
 def test_disk_disabled_drops(tmp_path: Path, ns: str) -> None:

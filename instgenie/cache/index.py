@@ -7,7 +7,8 @@ order); the caller moves the bytes.
 Invariants (checked by `check_invariants`, asserted after every step of the property test):
   * per enabled tier: sum of entry sizes (bytes) <= capacity (bytes); a disabled tier is empty;
   * reference counts are > 0 per owner (an owner with no reference is not listed);
-  * an entry with references or in state "building" is never evicted;
+  * an entry with references or in state "building" is never evicted, nor is the disk entry of
+    a key being loaded into DRAM (state "building" there: the loader is reading its file);
   * a "building" entry has no references (readers only see "ready" entries).
 Entries are keyed by (key, tier): a template may be in DRAM and on disk at once.
 """
@@ -132,7 +133,8 @@ class CacheIndex:
         out: list[Eviction] = []
         for v in victims:
             del self._entries[(v.key, tier)]
-            out.extend(self._demote_or_drop(v, owner))
+            # the key being reserved may be on disk (a load): its file must stay
+            out.extend(self._demote_or_drop(v, owner, exclude=key))
         self._add(key, tier, nbytes, owner)
         return out
 
@@ -206,7 +208,7 @@ class CacheIndex:
         for e in self.entries(tier):
             if freed >= nbytes:
                 break
-            if e.evictable and e.key != exclude:
+            if self._evictable(e) and e.key != exclude:
                 del self._entries[(e.key, tier)]
                 out.append(Eviction(e.key, tier, e.nbytes))
                 freed += e.nbytes
@@ -224,11 +226,15 @@ class CacheIndex:
 
     def set_capacity(self, tier: str, nbytes: int) -> list[Eviction]:
         """Change a tier's capacity (bytes), dropping LRU evictable entries that no longer fit.
-        Entries in use stay (the tier is over capacity until they are released and evicted)."""
+        Entries in use stay (the tier is over capacity until they are released and evicted).
+        0 switches the tier off; a capacity above 0 after 0 switches it on (a tier switched off
+        by a failure, e.g. ENOSPC, stays off until enable_tier)."""
         self._tier(tier, enabled_only=False)
-        self.capacities[tier] = nbytes
+        old, self.capacities[tier] = self.capacities[tier], nbytes
         if nbytes == 0:
             return self.disable_tier(tier)
+        if old == 0:
+            self.disabled.discard(tier)  # switched on by configuration
         return self.evict_for(tier, self.used(tier) - nbytes)
 
     def enable_tier(self, tier: str) -> None:
@@ -297,26 +303,32 @@ class CacheIndex:
         self._stamp(e)
         self._entries[(key, tier)] = e
 
-    def _victims(self, tier: str, nbytes: int) -> list[IndexEntry]:
-        """LRU evictable entries whose removal makes nbytes fit; CacheFull if impossible."""
+    def _evictable(self, e: IndexEntry) -> bool:
+        if e.tier == "disk" and self.state(e.key, "dram") == BUILDING:
+            return False  # being loaded into DRAM: the loader reads its file
+        return e.evictable
+
+    def _victims(self, tier: str, nbytes: int, exclude: str | None = None) -> list[IndexEntry]:
+        """LRU evictable entries (but not key `exclude`) whose removal makes nbytes fit;
+        CacheFull if impossible."""
         cap, used = self.capacities[tier], self.used(tier)
         need = used + nbytes - cap
         victims: list[IndexEntry] = []
         for e in self.entries(tier):
             if need <= 0:
                 break
-            if e.evictable:
+            if self._evictable(e) and e.key != exclude:
                 victims.append(e)
                 need -= e.nbytes
         if need > 0:
             raise CacheFull(f"{tier}: {nbytes} bytes do not fit ({used}/{cap} used, rest in use)")
         return victims
 
-    def _demote_or_drop(self, v: IndexEntry, owner: str) -> list[Eviction]:
+    def _demote_or_drop(self, v: IndexEntry, owner: str, exclude: str) -> list[Eviction]:
         if v.tier != "dram" or "disk" in self.disabled or (v.key, "disk") in self._entries:
             return [Eviction(v.key, v.tier, v.nbytes)]
         try:
-            disk_victims = self._victims("disk", v.nbytes)
+            disk_victims = self._victims("disk", v.nbytes, exclude)
         except CacheFull:
             return [Eviction(v.key, v.tier, v.nbytes)]
         out = []

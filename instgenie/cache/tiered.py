@@ -54,11 +54,16 @@ class TieredStore:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         clock: Callable[[], float] = time.time,
         wait_timeout_s: float = 300.0,
+        recover_interval_s: float = 30.0,
     ) -> None:
         """Capacities are template bytes (layout.nbytes) per tier. Every process of the host that
-        uses the same root and namespace shares the DRAM entries and the disk directory."""
+        uses the same root and namespace shares the DRAM entries and the disk directory.
+        recover_interval_s: after ENOSPC switched the disk tier off, how often (seconds) a new
+        capture or load checks whether the filesystem has room again."""
         self.root = Path(root)
         self.wait_timeout_s = wait_timeout_s
+        self.recover_interval_s = recover_interval_s
+        self._next_recover = 0.0  # time.monotonic() of the next recovery check
         self.disk = DiskTier(self.root / "disk", None, chunk_bytes=chunk_bytes,
                              choose_victims=self._disk_victims)  # fmt: skip
         self.dram = DramTier(
@@ -74,7 +79,10 @@ class TieredStore:
         self._lock = threading.Lock()
         self._loads: dict[str, Future[None]] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="igc-prefetch")
-        self._reconcile_disk()
+        # a start (or restart) retries a disk tier that ENOSPC switched off: the flag is host
+        # state and outlives the process, the full filesystem may not have
+        if not self.recover_disk():
+            self._reconcile_disk()
 
     # ---- queries ---------------------------------------------------------------------------------
     def _states(self, key: str) -> tuple[str, str]:
@@ -111,6 +119,7 @@ class TieredStore:
     def writer(self, key: str, layout: TemplateLayout) -> TemplateWriter:
         """A writer into a new DRAM segment (ValueError if the key exists in any tier; CacheFull
         if DRAM is full of entries in use)."""
+        self._maybe_recover_disk(self.disk.file_nbytes(layout))  # demotions may need it
         return TemplateWriter(self, self.dram.create(check_key(key), layout, fresh=True))
 
     def persist(self, key: str) -> bool:
@@ -167,6 +176,22 @@ class TieredStore:
         self._reconcile_disk()
         return True
 
+    def _maybe_recover_disk(self, min_free_bytes: int) -> None:
+        """RELIABILITY #11, "recovers when space returns": while the disk tier is off after
+        ENOSPC, check at most every recover_interval_s whether min_free_bytes fit again."""
+        if self.dram.capacities["disk"] == 0:
+            return  # off by configuration
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next_recover:
+                return
+            self._next_recover = now + self.recover_interval_s
+        with self.dram.txn() as t:
+            if t.idx.is_enabled("disk") and self.disk.enabled:
+                return
+        if self.recover_disk(min_free_bytes):
+            log.info("disk cache tier switched back on: the filesystem has room again")
+
     def _disk_victims(self, nbytes: int, key: str) -> list[str]:
         """DiskTier's ENOSPC callback: the index picks LRU unused disk entries; they are deleted
         here, under the host lock (no process can re-create one of them meanwhile), so nothing
@@ -179,11 +204,12 @@ class TieredStore:
     def _reconcile_disk(self) -> None:
         """Make the index's disk tier match the files (another process or a restart may have
         changed them); unknown files are indexed by mtime, headers verified."""
-        files = self.disk.scan()  # LRU first, so capacity pressure evicts the oldest
         with self.dram.txn() as t:
             if not t.idx.is_enabled("disk"):  # off by configuration or after ENOSPC
                 self.disk.enabled = False
                 return
+            # listed under the host lock: a file another process commits meanwhile is indexed
+            files = self.disk.scan()  # LRU first, so capacity pressure evicts the oldest
             names = {k for k, _, _ in files}
             for e in t.idx.entries("disk"):
                 if e.state == READY and e.key not in names:
