@@ -208,32 +208,43 @@ class _MemoryWriter:
     def __init__(self, store: InMemoryStore, key: str, entry: _Entry) -> None:
         self.store, self.key, self.entry = store, key, entry
 
+    def _check_step(self, step: int) -> None:
+        if not 0 <= step < self.entry.meta.num_steps:
+            raise ValueError(f"step {step} outside [0, {self.entry.meta.num_steps})")
+
     def put_block(self, step: int, block_id: int, y: torch.Tensor) -> None:
+        """Store block_id's output at step (a repeated put replaces the earlier one)."""
+        self._check_step(step)
         if not self.entry.meta.cache_dtype:
             self.entry.meta.cache_dtype = str(y.dtype).removeprefix("torch.")
-        if self.store.dtype == FP8 or not 0 <= step < self.entry.meta.num_steps:
+        if self.store.dtype == FP8:
             t = self.store._store(y, quantize=True)
         else:
             t = self.store._store_step(self.entry, step, block_id, y)
         self.entry.blocks[(step, block_id)] = t
         self.entry.meta.block_shapes[block_id] = (int(t.shape[1]), int(t.shape[2]))
-        self.entry.meta.nbytes += _nbytes(t)
 
     def put_latents(self, step: int, latents: torch.Tensor) -> None:
-        t = self.store._store(latents)
-        self.entry.latents[step] = t
-        self.entry.meta.nbytes += _nbytes(t)
+        self._check_step(step)
+        self.entry.latents[step] = self.store._store(latents)
 
     def commit(self) -> None:
-        meta = self.entry.meta
-        expected = meta.num_steps * len(meta.block_shapes)
-        if len(self.entry.blocks) != expected or len(self.entry.latents) != meta.num_steps:
+        """Ready only with every (step, block) output and every step's latents."""
+        entry, meta = self.entry, self.entry.meta
+        steps = range(meta.num_steps)
+        blocks = {(s, b) for s in steps for b in meta.block_shapes}
+        missing = sorted(blocks - set(entry.blocks))
+        missing_latents = sorted(set(steps) - set(entry.latents))
+        if missing or missing_latents or not blocks:
             self.abort()
             raise RuntimeError(
-                f"incomplete capture: {len(self.entry.blocks)}/{expected} block outputs, "
-                f"{len(self.entry.latents)}/{meta.num_steps} latents"
+                f"incomplete capture: {len(blocks) - len(missing)}/{len(blocks)} block outputs "
+                f"(first missing (step, block): {missing[:3]}), "
+                f"{meta.num_steps - len(missing_latents)}/{meta.num_steps} latents"
             )
-        self.store._finish(self.key, self.entry, ok=True)
+        # bytes held: each stored tensor once (a repeated put replaced its predecessor)
+        meta.nbytes = sum(_nbytes(t) for t in [*entry.blocks.values(), *entry.latents.values()])
+        self.store._finish(self.key, entry, ok=True)
 
     def abort(self) -> None:
         self.store._finish(self.key, self.entry, ok=False)
