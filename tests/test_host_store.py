@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from instgenie.cache.dram import cleanup
 from instgenie.cache.host_store import HostActivationStore
 from instgenie.cache.quant import FP8
+from instgenie.cache.store import TemplateMeta
 from instgenie.cache.tiered import TieredStore
 from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
@@ -147,3 +150,53 @@ def test_prefetch_at_queue_time_loads_disk_entry_once(host_pipe) -> None:
     assert pipe.store.tiered.stats()["bytes_read_disk"] == read  # no second disk read
     _close(s.latents, full.latents)
     assert pipe.prefetch("f" * 64) is None  # unknown template: nothing to do
+
+
+_KILLED_AFTER_COMMIT = """
+import os, sys, torch
+from instgenie.cache.host_store import HostActivationStore
+from instgenie.cache.store import TemplateMeta
+from instgenie.cache.tiered import TemplateWriter, TieredStore
+root, ns, key = sys.argv[1:]
+hs = HostActivationStore(TieredStore(root, ns, 1 << 22, 1 << 24, chunk_bytes=4096), root)
+w = hs.writer(key, TemplateMeta(num_steps=2, num_rows=1, timesteps=(1.0, 0.5)))
+for s in range(2):
+    for b in range(2):
+        w.put_block(s, b, torch.randn(1, 16, 8))
+    w.put_latents(s, torch.randn(1, 4, 4, 4))
+commit = TemplateWriter.commit
+def killed(self):  # SIGKILL / OOM killer the moment the entry is ready to every process
+    commit(self)
+    os._exit(9)
+TemplateWriter.commit = killed
+w.commit()
+"""
+
+
+def _host_store(root, ns: str) -> HostActivationStore:
+    return HostActivationStore(TieredStore(root, ns, 1 << 22, 1 << 24, chunk_bytes=4096), root)
+
+
+def test_a_capture_killed_at_commit_leaves_a_usable_entry(tmp_path) -> None:
+    """Every process sees an entry as ready only once its meta (what an edit must match) is on
+    disk: a capture killed right after its commit leaves a usable template."""
+    ns, key = uuid.uuid4().hex[:10], "ab" * 32
+    r = subprocess.run([sys.executable, "-c", _KILLED_AFTER_COMMIT, str(tmp_path), ns, key])
+    assert r.returncode == 9
+    hs = _host_store(tmp_path, ns)
+    try:
+        assert hs.status(key) == "ready"
+        assert hs.meta(key).timesteps == (1.0, 0.5) and hs.meta(key).nbytes > 0
+        with pytest.raises(KeyError, match="already ready"):
+            hs.writer(key, TemplateMeta(num_steps=2, num_rows=1))
+        # a ready entry whose meta file is gone (removed by hand) is removed: captured again
+        (tmp_path / "meta" / f"{key}.json").unlink()
+        fresh = _host_store(tmp_path, ns)
+        try:
+            assert fresh.status(key) == "absent" and hs.tiered.status(key) == "absent"
+            fresh.writer(key, TemplateMeta(num_steps=2, num_rows=1)).abort()
+        finally:
+            fresh.tiered.close()
+    finally:
+        hs.tiered.close()
+        cleanup(ns)

@@ -6,13 +6,15 @@
   come back as QuantizedRows). On CUDA the segment is registered as pinned memory while any
   handle of this process is open, so the pipelined loader's copies are DMA at full bandwidth.
 - `meta` (the step schedule an edit must match) is kept next to the cache root as JSON, written
-  atomically at commit, so every process of the host can select the masked path.
+  atomically just before commit, so every process of the host can select the masked path; a
+  ready entry without one is removed (and captured again).
 A disk entry that is corrupt or missing on open raises CacheMiss: the caller runs the full path.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from dataclasses import asdict
@@ -22,12 +24,15 @@ import torch
 
 from instgenie.cache.disk import CacheMiss, check_key
 from instgenie.cache.dram import pin, unpin
+from instgenie.cache.index import EntryInUse
 from instgenie.cache.layout import TemplateLayout
 from instgenie.cache.quant import FP8, QuantizedRows, quantize_rows
 from instgenie.cache.store import TemplateMeta
 from instgenie.cache.tiered import HostTemplate, TieredStore
 
 __all__ = ["CacheMiss", "HostActivationStore"]
+
+log = logging.getLogger(__name__)
 
 READY = ("dram", "disk")
 
@@ -47,7 +52,28 @@ class HostActivationStore:
     def status(self, key: str) -> str:
         """ "ready" (in DRAM or on disk), "building" or "absent"."""
         s = self.tiered.status(key)
-        return "ready" if s in READY else s
+        if s not in READY:
+            return s
+        if not self._has_meta(key):
+            # ready but unusable: no edit can match it (a meta file removed by hand, or a
+            # capture killed between its commit and its meta file before the meta came first).
+            # Removed, so that the template is captured again.
+            log.warning("template cache %s has no meta file: removed", key[:12])
+            try:
+                self.tiered.delete(key)
+            except EntryInUse:
+                return "building"  # someone still reads it; not usable here meanwhile
+            return "absent"
+        return "ready"
+
+    def _meta_path(self, key: str) -> Path:
+        return self.meta_dir / f"{check_key(key)}.json"
+
+    def _has_meta(self, key: str) -> bool:
+        with self._lock:
+            if key in self._metas:
+                return True
+        return self._meta_path(key).is_file()
 
     def tier(self, key: str) -> str:
         return self.tiered.status(key)
@@ -56,8 +82,10 @@ class HostActivationStore:
         with self._lock:
             meta = self._metas.get(key)
         if meta is None:
-            path = self.meta_dir / f"{check_key(key)}.json"
-            d = json.loads(path.read_text())
+            try:
+                d = json.loads(self._meta_path(key).read_text())
+            except (OSError, ValueError) as e:  # removed meanwhile, or unreadable
+                raise CacheMiss(f"{key[:12]}: no usable meta file ({e})") from None
             d["timesteps"] = tuple(d["timesteps"])
             d["latent_shape"] = tuple(d["latent_shape"])
             d["block_shapes"] = {int(b): tuple(s) for b, s in d["block_shapes"].items()}
@@ -67,12 +95,17 @@ class HostActivationStore:
         return meta
 
     def _save_meta(self, key: str, meta: TemplateMeta) -> None:
-        path = self.meta_dir / f"{check_key(key)}.json"
+        path = self._meta_path(key)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(asdict(meta)))
         os.replace(tmp, path)
         with self._lock:
             self._metas[key] = meta
+
+    def _drop_meta(self, key: str) -> None:
+        self._meta_path(key).unlink(missing_ok=True)
+        with self._lock:
+            self._metas.pop(key, None)
 
     # ---- write -----------------------------------------------------------------------------
     def writer(self, key: str, meta: TemplateMeta) -> _StreamingWriter:
@@ -107,9 +140,7 @@ class HostActivationStore:
 
     def delete(self, key: str) -> None:
         self.tiered.delete(key)
-        (self.meta_dir / f"{check_key(key)}.json").unlink(missing_ok=True)
-        with self._lock:
-            self._metas.pop(key, None)
+        self._drop_meta(key)
 
     @property
     def nbytes(self) -> int:
@@ -187,8 +218,13 @@ class _StreamingWriter:
     def commit(self) -> None:
         if self._writer is None:
             raise RuntimeError("incomplete capture: no step finished")
-        self._writer.commit()
+        # meta first: once the entry is ready (to every process of the host), its meta exists
         self.store._save_meta(self.key, self.meta)
+        try:
+            self._writer.commit()
+        except BaseException:
+            self.store._drop_meta(self.key)
+            raise
 
     def abort(self) -> None:
         if self._writer is not None:

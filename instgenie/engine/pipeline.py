@@ -288,7 +288,10 @@ class EditPipeline:
         state.extras["cache"] = "miss"
         if self.store.status(key) != "ready":
             return
-        meta = self.store.meta(key)
+        try:
+            meta = self.store.meta(key)
+        except CacheMiss:  # deleted since the status check
+            return
         masks = self.family.token_masks(pixel_mask_tensor(state.mask))
         if (
             meta.timesteps != tuple(state.timesteps.tolist())
