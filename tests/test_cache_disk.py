@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from instgenie.cache.disk import MAGIC, PREAMBLE, CacheMiss, CorruptEntry, DiskTier
+from instgenie.cache.disk import MAGIC, PREAMBLE, CacheMiss, CorruptEntry, DiskBusy, DiskTier
 from instgenie.cache.layout import TemplateLayout
 
 LAYOUT = TemplateLayout(3, 2, "bfloat16", ((50, 70), (30, 40)), (1, 4, 8, 8))
@@ -202,6 +203,28 @@ def test_unreadable_entry(tier: DiskTier) -> None:
     assert tier.counters()["quarantined"] == 1
 
 
+def test_out_of_file_descriptors_is_a_miss_that_keeps_the_entry(tier: DiskTier) -> None:
+    """EMFILE says nothing about the file: a miss for now, never a quarantine."""
+    buf = rand_buf()
+    assert tier.write(K1, LAYOUT, buf)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fds: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        with pytest.raises(OSError):
+            while True:
+                fds.append(os.open(os.devnull, os.O_RDONLY))
+        with pytest.raises(DiskBusy, match="Too many open files"):
+            tier.read_layout(K1)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    c = tier.counters()
+    assert c["corrupt"] == 0 and c["quarantined"] == 0 and tier.keys() == [K1]
+    assert torch.equal(read(tier, K1), buf)
+
+
 def test_symlinked_entry_is_not_followed(tier: DiskTier, tmp_path: Path) -> None:
     target = tmp_path / "elsewhere"
     target.write_bytes(b"secret")
@@ -342,6 +365,19 @@ def test_other_write_errors_are_reported_not_raised(tier: DiskTier) -> None:
     tier._pwrite = eio
     assert tier.write(K1, LAYOUT, rand_buf()) is False
     assert tier.enabled and tier.counters()["write_errors"] == 1 and tier.keys() == []
+
+
+def test_directory_fsync_error_after_the_rename_still_stores(tier: DiskTier) -> None:
+    """Once renamed into place the entry is complete and fsynced: write() reports it stored
+    (False would make the caller drop its index entry and leave an uncounted file)."""
+
+    def eio() -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    tier._fsync_dir = eio
+    buf = rand_buf()
+    assert tier.write(K1, LAYOUT, buf) is True
+    assert tier.keys() == [K1] and torch.equal(read(tier, K1), buf)
 
 
 def test_capacity_evicts_least_recently_read(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from instgenie.cache.disk import CacheMiss, DiskTier
+from instgenie.cache.disk import CacheMiss, DiskBusy, DiskTier
 from instgenie.cache.dram import cleanup
 from instgenie.cache.index import CacheFull, EntryInUse
 from instgenie.cache.layout import TemplateLayout
@@ -319,6 +319,24 @@ def test_a_second_process_starting_keeps_an_entry_committed_meanwhile(
         assert a.status(KA) == "disk" and a.stats()["bytes_disk"] == N
     finally:
         a.close()
+
+
+def test_a_disk_entry_that_cannot_be_opened_now_stays_indexed(store: TieredStore) -> None:
+    t = write(store, KA, 1)
+    write(store, KB, 2)
+    write(store, KC, 3)  # KA demoted to disk
+    assert store.status(KA) == "disk"
+    real = store.disk.read_into
+
+    def busy(*args: object) -> None:
+        raise DiskBusy("out of file descriptors")
+
+    store.disk.read_into = busy
+    with pytest.raises(DiskBusy):
+        store.acquire(KA)
+    assert store.status(KA) == "disk" and store.disk.contains(KA)
+    store.disk.read_into = real
+    assert_same(store, KA, t)
 
 
 def test_disk_disabled_drops(tmp_path: Path, ns: str) -> None:

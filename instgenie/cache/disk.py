@@ -59,6 +59,17 @@ class CorruptEntry(CacheMiss):
     """The entry failed verification (or could not be read) and was quarantined."""
 
 
+class DiskBusy(CacheMiss):
+    """The entry could not be opened now (the process is out of file descriptors or memory):
+    a miss for this request, the entry itself is kept."""
+
+
+#: open() errors that say nothing about the file: never a reason to quarantine it
+_TRANSIENT = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOBUFS}
+)
+
+
 def check_key(key: Any) -> str:
     """Keys are sha256 hex digests; anything else (paths, NUL, unicode, ...) is refused."""
     if not isinstance(key, str) or not _KEY.fullmatch(key):
@@ -216,8 +227,14 @@ class DiskTier:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        self._fsync_dir()
         self._count(bytes_written=data_offset + layout.nbytes)
+        try:
+            self._fsync_dir()
+        except OSError as e:
+            # the entry is complete, fsynced and visible under its name: stored. Only the
+            # rename's durability across a power loss is unconfirmed (a reboot may find the
+            # previous state: no entry, which is a miss)
+            log.warning("disk cache: fsync of the directory after writing %s: %s", key[:12], e)
 
     def _pwrite_all(self, fd: int, mv: memoryview, offset: int) -> None:
         while len(mv):
@@ -410,6 +427,9 @@ class _OpenEntry:
             self.tier._count(misses=1)
             raise CacheMiss(f"{self.key[:12]} is not on disk") from None
         except OSError as e:
+            if e.errno in _TRANSIENT:
+                self.tier._count(misses=1)
+                raise DiskBusy(f"{self.key[:12]}: cannot open it now: {e}") from None
             raise self.tier._corrupt(self.key, f"unreadable: {e}") from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from instgenie.cache.disk import DEFAULT_CHUNK_BYTES, CacheMiss, DiskTier, check_key
+from instgenie.cache.disk import DEFAULT_CHUNK_BYTES, CacheMiss, DiskBusy, DiskTier, check_key
 from instgenie.cache.dram import DramTier, Segment
 from instgenie.cache.index import READY, CacheFull
 from instgenie.cache.layout import TemplateLayout
@@ -293,6 +293,8 @@ class TieredStore:
             seg = self.dram.create(key, layout, fresh=False)
         except ValueError:
             return None  # already building/ready in DRAM
+        except DiskBusy:
+            raise  # the file is fine: keep its entry
         except CacheMiss:
             self._forget_disk(key)
             raise
@@ -303,7 +305,7 @@ class TieredStore:
             self.disk.read_into(key, layout, seg.data)
         except BaseException as e:
             self.dram.abort(seg)
-            if isinstance(e, CacheMiss):
+            if isinstance(e, CacheMiss) and not isinstance(e, DiskBusy):
                 self._forget_disk(key)
             raise
         self.dram.commit(seg, acquire=acquire)
