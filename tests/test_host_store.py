@@ -12,6 +12,7 @@ import uuid
 import pytest
 import torch
 
+from instgenie.cache import host_store
 from instgenie.cache.dram import cleanup
 from instgenie.cache.host_store import HostActivationStore
 from instgenie.cache.quant import FP8
@@ -197,6 +198,32 @@ def test_a_capture_killed_at_commit_leaves_a_usable_entry(tmp_path) -> None:
             fresh.writer(key, TemplateMeta(num_steps=2, num_rows=1)).abort()
         finally:
             fresh.tiered.close()
+    finally:
+        hs.tiered.close()
+        cleanup(ns)
+
+
+def test_a_failed_pin_does_not_leak_the_reference(tmp_path, monkeypatch) -> None:
+    """open() takes a reference and then pins the pages (CUDA): if pinning fails, the reference
+    is released (a leaked one keeps the entry from ever being evicted or deleted)."""
+    ns, key = uuid.uuid4().hex[:10], "cd" * 32
+    hs = _host_store(tmp_path, ns)
+    try:
+        w = hs.writer(key, TemplateMeta(num_steps=1, num_rows=1, timesteps=(1.0,)))
+        w.put_block(0, 0, torch.randn(1, 16, 8))
+        w.put_latents(0, torch.randn(1, 4, 4, 4))
+        w.commit()
+
+        def fail(t: torch.Tensor) -> bool:
+            raise RuntimeError("cudaHostRegister failed with CUDA error 2")
+
+        monkeypatch.setattr(host_store.torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(host_store, "pin", fail)
+        with pytest.raises(RuntimeError, match="cudaHostRegister"):
+            hs.open(key)
+        assert hs._pins == {}
+        hs.delete(key)  # EntryInUse if the reference had leaked
+        assert hs.status(key) == "absent"
     finally:
         hs.tiered.close()
         cleanup(ns)

@@ -117,12 +117,19 @@ class HostActivationStore:
     def open(self, key: str) -> _HostHandle:
         """Acquire the entry (loading it from disk into DRAM if needed; CacheMiss if that fails)."""
         host = self.tiered.acquire(key)
-        with self._lock:
-            entry = self._pins.setdefault(key, [0, None])
-            entry[0] += 1
-            if entry[1] is None and torch.cuda.is_available():
-                data = host.data
-                entry[1] = data if pin(data) else None
+        try:
+            with self._lock:
+                entry = self._pins.setdefault(key, [0, None])
+                if entry[1] is None and torch.cuda.is_available():
+                    data = host.data
+                    entry[1] = data if pin(data) else None
+                entry[0] += 1
+        except BaseException:
+            with self._lock:
+                if self._pins.get(key) == [0, None]:
+                    del self._pins[key]
+            host.close()  # e.g. cudaHostRegister failed: the reference must not leak
+            raise
         return _HostHandle(self, key, host)
 
     def _closed(self, key: str) -> None:
