@@ -380,6 +380,23 @@ def test_directory_fsync_error_after_the_rename_still_stores(tier: DiskTier) -> 
     assert tier.keys() == [K1] and torch.equal(read(tier, K1), buf)
 
 
+def test_a_second_tier_of_the_same_process_keeps_a_write_in_flight(tmp_path: Path) -> None:
+    """A DiskTier starting removes temp files of dead writers, not one this process is writing
+    through another DiskTier (same pid)."""
+    first = DiskTier(tmp_path / "disk", None, chunk_bytes=4096)
+    started = []
+
+    def pwrite(fd: int, mv: memoryview, off: int) -> int:
+        if not started:
+            started.append(DiskTier(tmp_path / "disk", None, chunk_bytes=4096))
+        return os.pwrite(fd, mv, off)
+
+    first._pwrite = pwrite
+    buf = rand_buf()
+    assert first.write(K1, LAYOUT, buf) is True
+    assert started and torch.equal(read(first, K1), buf)
+
+
 def test_capacity_evicts_least_recently_read(tmp_path: Path) -> None:
     size = DiskTier(tmp_path / "probe", None, chunk_bytes=4096).file_nbytes(LAYOUT)
     tier = DiskTier(tmp_path / "disk", int(2.5 * size), chunk_bytes=4096)

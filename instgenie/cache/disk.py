@@ -49,6 +49,9 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 _KEY = re.compile(r"[0-9a-f]{64}")
 _TMP = re.compile(r"\.([0-9a-f]{64})\.(\d+)\.[0-9a-f]{32}\.tmp")
 _HEADER_KEYS = {"chunk_bytes", "crc32", "data_bytes", "layout"}
+#: temp files this process is writing now (any DiskTier instance): not debris
+_WRITING: set[str] = set()
+_WRITING_LOCK = threading.Lock()
 
 
 class CacheMiss(Exception):
@@ -205,6 +208,24 @@ class DiskTier:
 
     def _write_file(self, key: str, layout: TemplateLayout, src: Any) -> None:
         tmp = self.entries_dir / f".{key}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        with _WRITING_LOCK:
+            _WRITING.add(str(tmp))
+        try:
+            self._write_tmp(key, layout, src, tmp)
+        finally:
+            with _WRITING_LOCK:
+                _WRITING.discard(str(tmp))
+        self._count(bytes_written=self.file_nbytes(layout))
+        try:
+            self._fsync_dir()
+        except OSError as e:
+            # the entry is complete, fsynced and visible under its name: stored. Only the
+            # rename's durability across a power loss is unconfirmed (a reboot may find the
+            # previous state: no entry, which is a miss)
+            log.warning("disk cache: fsync of the directory after writing %s: %s", key[:12], e)
+
+    def _write_tmp(self, key: str, layout: TemplateLayout, src: Any, tmp: Path) -> None:
+        """Write the whole entry into tmp, fsync it and rename it into place."""
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
@@ -227,14 +248,6 @@ class DiskTier:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        self._count(bytes_written=data_offset + layout.nbytes)
-        try:
-            self._fsync_dir()
-        except OSError as e:
-            # the entry is complete, fsynced and visible under its name: stored. Only the
-            # rename's durability across a power loss is unconfirmed (a reboot may find the
-            # previous state: no entry, which is a miss)
-            log.warning("disk cache: fsync of the directory after writing %s: %s", key[:12], e)
 
     def _pwrite_all(self, fd: int, mv: memoryview, offset: int) -> None:
         while len(mv):
@@ -395,10 +408,14 @@ class DiskTier:
             return False
 
     def _remove_stale_temps(self) -> None:
-        """Temp files of dead writers (or of an earlier process with our pid) are crash debris."""
+        """Temp files of dead writers (or of an earlier process with our pid) are crash debris;
+        those another DiskTier of this process is writing now are not."""
         for de in os.scandir(self.entries_dir):
             m = _TMP.fullmatch(de.name)
             if m and (int(m.group(2)) == os.getpid() or not _pid_alive(int(m.group(2)))):
+                with _WRITING_LOCK:
+                    if de.path in _WRITING:
+                        continue
                 self._remove_path(Path(de.path))
 
     def _count(self, **deltas: int) -> None:
