@@ -6,6 +6,9 @@ rejected request has consumed no GPU time and left no state behind.
 
 from __future__ import annotations
 
+#: exit status of a command or worker process whose model could not be loaded
+EXIT_MODEL_LOAD = 3
+
 
 class InstGenIEError(Exception):
     """Base class of every error this package raises on purpose."""

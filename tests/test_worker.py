@@ -544,3 +544,24 @@ def test_supervisor_killed_while_children_import_leaves_no_orphans() -> None:
         assert not [p for p in children if _alive(p)], "children outlived their supervisor"
     finally:
         handle.close(drain=False)
+
+
+@pytest.mark.parametrize(
+    "model, profile",
+    [("foo:tiny", ""), (f"{MODEL}:tiny", "/nonexistent/profile.json")],
+    ids=["unknown-model", "missing-profile"],
+)
+def test_a_model_that_cannot_load_ends_the_worker_instead_of_restarting(
+    model: str, profile: str, tmp_path: Path
+) -> None:
+    """Every child fails the same way on every restart: before the worker was ever ready, the
+    first such failure ends it (exit status 3), and its starter hears it at once instead of after
+    its start timeout."""
+    config = Config(
+        model=ModelConfig(model=model),
+        worker=WorkerConfig(restart_backoff_s=0.2, profile=profile),
+    )
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with status 3 before it was ready: its model"):
+        start_worker(config, timeout=150)
+    assert time.monotonic() - t0 < 120  # children import torch (~10-30 s on a loaded CI box)

@@ -131,7 +131,7 @@ class WorkerPool:
         handle = WorkerHandle(slot.config)
         slot.handle = handle
         try:
-            handle.client.wait_ready(self.start_timeout_s)
+            handle.wait_ready(self.start_timeout_s)
         except BaseException:
             if slot.handle is handle:
                 slot.handle = None

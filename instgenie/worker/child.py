@@ -33,6 +33,7 @@ from pathlib import Path
 
 from instgenie.config import Config, from_dict
 from instgenie.engine.imageio import codec_allowed
+from instgenie.errors import EXIT_MODEL_LOAD, ModelLoadError
 from instgenie.ipc import Channel
 from instgenie.logs import quiet_libraries, setup_process
 from instgenie.messages import (
@@ -67,6 +68,8 @@ class ChildRuntime:
         self.iterations = 0
         self.in_flight: tuple[str, ...] = ()
         self.busy: tuple[str, float] = ("", 0.0)  # (stage, monotonic start): `doing`
+        #: ready() was called: the model parts loaded (a failure before that ends the process)
+        self.started = False
         self._stop = threading.Event()
         self._closers: list = []
         #: work messages received but not yet handled (pre/post), in arrival order
@@ -130,6 +133,7 @@ class ChildRuntime:
             self.busy = ("", 0.0)
 
     def ready(self) -> None:
+        self.started = True
         self._beat.start()
         self.send(ChildReady(role=self.role, index=self.index, pid=os.getpid(),
                              codec=codec_allowed()))  # fmt: skip
@@ -215,6 +219,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from instgenie.worker.post import run
         run(rt)
+    except Exception as exc:
+        if rt.started:
+            raise
+        # a model (device, dtype, profile) that cannot be loaded will not load on a restart
+        # either: say why in one line and exit EXIT_MODEL_LOAD; a supervisor that was never
+        # ready gives up on it (children.py, watchdog)
+        expected = isinstance(exc, (ModelLoadError, ValueError, OSError))
+        log.error("could not start: %s: %s", type(exc).__name__, exc, exc_info=not expected)
+        return EXIT_MODEL_LOAD
     finally:
         rt.close()
     return 0

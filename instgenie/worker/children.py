@@ -2,11 +2,14 @@
 (spawn, watchdog, death, restart). `ChildProcesses` is a mixin of `Supervisor`; it reads and
 writes the supervisor's state: `children`, `by_pid`, `flights`, `queue`, `templates`,
 `to_loop`, `to_post`, `counters`, `step_offset`, `loop_steps`, `closing`, `inline`, `w`,
-`config`, `inbox`, `shm_base`, and calls its `finish` and `template_done`.
+`config`, `inbox`, `shm_base`, `was_ready`, and calls its `finish`, `template_done` and
+`give_up`.
 
 Invariants: a child's `holding` is exactly the uids sent to it and not yet answered, so a death
 fails those and only those; a child that takes nothing for 5 s, stays silent past the heartbeat
-timeout or makes no progress past the stall timeout is killed and restarted after a backoff.
+timeout or makes no progress past the stall timeout is killed and restarted after a backoff; one
+that exits EXIT_MODEL_LOAD (its model cannot be loaded) before the worker was ever ready ends the
+worker (a restart would fail the same way, forever).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import instgenie
 from instgenie.config import to_dict
+from instgenie.errors import EXIT_MODEL_LOAD
 from instgenie.ipc import Channel, ipc_address
 from instgenie.messages import (
     BuildTemplate,
@@ -169,7 +173,10 @@ class ChildProcesses:
                     self.spawn(c)
                 continue
             rc = c.proc.poll()
-            if rc is not None:
+            if rc == EXIT_MODEL_LOAD and not self.was_ready:
+                self.give_up(f"{c.name} could not load its model (its error is logged above)")
+                self.child_died(c, f"exited with status {rc}")
+            elif rc is not None:
                 self.child_died(c, f"exited with status {rc}")
             elif not c.ready and now - c.started_at > w.start_timeout_s:
                 self.child_died(c, f"not ready after {w.start_timeout_s:.0f} s")
@@ -202,7 +209,9 @@ class ChildProcesses:
         if c.proc.poll() is None:
             c.proc.kill()
         c.proc.wait()
-        log.error("%s (pid %d) died: %s; restarting", c.name, pid, reason)
+        again = self.closing is None or self.closing.drain
+        log.error("%s (pid %d) died: %s; %s", c.name, pid, reason,
+                  "restarting" if again else "not restarted")  # fmt: skip
         self.counters["child_deaths"] += 1
         self.by_pid.pop(pid, None)
         cleanup(process_prefix(self.shm_base, pid))

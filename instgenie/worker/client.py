@@ -33,7 +33,7 @@ import zmq
 
 import instgenie
 from instgenie.config import Config, to_dict
-from instgenie.errors import InstGenIEError
+from instgenie.errors import EXIT_MODEL_LOAD, InstGenIEError
 from instgenie.ipc import ClientSocket, ipc_address
 from instgenie.messages import (
     Accepted,
@@ -338,6 +338,26 @@ class WorkerHandle:
     def pid(self) -> int:
         return self.proc.pid
 
+    def wait_ready(self, timeout: float = 300.0) -> dict[str, float]:
+        """The client's wait_ready, but a supervisor that exits meanwhile (e.g. its model cannot
+        be loaded) is reported at once: RuntimeError, not a TimeoutError after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                why = ": its model could not be loaded (the error is logged above)"
+                raise RuntimeError(f"worker exited with status {rc} before it was ready"
+                                   f"{why if rc == EXIT_MODEL_LOAD else ''}")  # fmt: skip
+            try:
+                return self.client.wait_ready(min(1.0, max(0.0, deadline - time.monotonic())))
+            except WorkerError:  # the supervisor exited: its status says why (above)
+                self.proc.wait(10)
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"worker at {self.address} not ready after {timeout} s"
+                    ) from None
+
     def _watch_exit(self) -> None:
         rc = self.proc.wait()
         from instgenie.tensorshm import cleanup  # (torch: not at import time of the API process)
@@ -370,7 +390,7 @@ def start_worker(config: Config, *, address: str | None = None, timeout: float =
     """Start a worker subprocess and wait until it serves; the caller closes the handle."""
     handle = WorkerHandle(config, address)
     try:
-        handle.client.wait_ready(timeout)
+        handle.wait_ready(timeout)
     except BaseException:
         handle.close(drain=False)
         raise

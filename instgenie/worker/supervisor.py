@@ -37,6 +37,7 @@ from collections.abc import Callable
 import numpy as np
 
 from instgenie.config import Config, from_dict
+from instgenie.errors import EXIT_MODEL_LOAD
 from instgenie.ipc import Channel, Server, ipc_address, poll
 from instgenie.logs import setup_process
 from instgenie.messages import (
@@ -114,6 +115,8 @@ class Supervisor(ChildProcesses):
         self.loop_steps = 0  # steps of the current incarnation
         self.clients: dict[bytes, None] = {}
         self.was_ready = False
+        #: why this worker gave up (a child could not start before the worker was ever ready)
+        self.fatal = ""
         self.closing: Shutdown | None = None
         self.seq = 0
         self.started = time.monotonic()
@@ -145,7 +148,17 @@ class Supervisor(ChildProcesses):
                 self.dispatch()
         finally:
             self.close()
-        return 0
+        return EXIT_MODEL_LOAD if self.fatal else 0
+
+    def give_up(self, why: str) -> None:
+        """Stop for good: a child cannot start (its model, device, dtype or profile fails to
+        load) and never has in this worker's life, so restarting it would only loop."""
+        if self.fatal:
+            return  # another child said it first
+        log.error("worker cannot start: %s", why)
+        self.fatal = why
+        self.closing = Shutdown(drain=False)
+        self._fail_everything("worker_died", f"the worker cannot start: {why}")
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.closing is None:
