@@ -4,7 +4,16 @@
     instgenie client template --image in.png --prompt "a person" --wait
     instgenie client edit --template-id <id> --mask mask.png --prompt "..." -o out.webp
     instgenie client health
-Exit status: 0 ok, 2 the server refused the request (4xx), 1 anything else.
+
+Exit status:
+  0    ok (`template` without --wait: the build was accepted and may still be running);
+  1    the server failed or could not be reached, a template build failed, or
+       `template --wait` timed out with the template still building (the last state is printed);
+  2    bad input: a usage error, an unreadable --image/--mask, an unusable -o/--output, or a
+       request the server refused (4xx);
+  130  interrupted (Ctrl-C); no output file is left behind.
+`edit` checks -o before it sends the request and writes the image atomically (a temporary file
+in the same directory, renamed over the target): a failed or interrupted edit leaves no file.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import math
 import secrets
 import sys
 import time
@@ -20,7 +30,11 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
+from instgenie.errors import ValidationError
+from instgenie.outputs import PendingOutput, output_format
+
 DEFAULT_SERVER = "http://127.0.0.1:8000"
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class ClientError(Exception):
@@ -70,10 +84,32 @@ def call(
         raise ClientError(exc.code, message) from None
 
 
-def _read(path: str | None, sample: str) -> tuple[str, bytes]:
+def _read(path: str | None, sample: str, field: str) -> tuple[str, bytes]:
+    """(file name, bytes) of an input file, or of the bundled sample when none is given."""
     if path is None:
         return sample, resources.files("instgenie").joinpath("assets", sample).read_bytes()
-    return Path(path).name, Path(path).read_bytes()
+    try:
+        return Path(path).name, Path(path).read_bytes()
+    except OSError as exc:
+        raise ValidationError(field, str(exc)) from None  # worded as `instgenie edit` words it
+
+
+def _seconds(low: float, strict: bool):
+    """argparse type: a number of seconds > low (strict) or >= low."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if math.isnan(value) or (value <= low if strict else value < low):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if strict else '>='} {low:g}, got {text}"
+            )
+        return value
+
+    parse.__name__ = "seconds"
+    return parse
 
 
 def wait_ready(server: str, wait_s: float) -> None:
@@ -90,48 +126,61 @@ def wait_ready(server: str, wait_s: float) -> None:
 
 
 def cmd_edit(args: argparse.Namespace) -> int:
-    fields = {
-        "prompt": args.prompt,
-        "seed": str(args.seed),
-        "output_format": args.format or (Path(args.output).suffix.lstrip(".").lower() or "png"),
-    }
-    fields["output_format"] = {"jpg": "jpeg"}.get(fields["output_format"], fields["output_format"])
+    out = Path(args.output)
+    fmt = output_format(out, args.format)
+    fields = {"prompt": args.prompt, "seed": str(args.seed), "output_format": fmt}
     if args.steps is not None:
         fields["num_inference_steps"] = str(args.steps)
     if args.guidance is not None:
         fields["guidance_scale"] = str(args.guidance)
     if args.negative_prompt is not None:
         fields["negative_prompt"] = args.negative_prompt
-    files = {"mask": _read(args.mask, "sample_mask.png")}
+    files = {"mask": _read(args.mask, "sample_mask.png", "mask")}
     if args.template_id:
         fields["template_id"] = args.template_id
     else:
-        files["image"] = _read(args.image, "sample.png")
+        files["image"] = _read(args.image, "sample.png", "image")
     body, ctype = encode_multipart(fields, files)
-    result = call("POST", args.server.rstrip("/") + "/v1/edits", body, ctype)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(base64.b64decode(result.pop("image")))
+    with PendingOutput(out) as pending:
+        result = call("POST", args.server.rstrip("/") + "/v1/edits", body, ctype)
+        try:
+            data = base64.b64decode(result.pop("image"), validate=True)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise ValueError("the server's answer carries no valid base64 image") from None
+        pending.commit(data)
     print(json.dumps({"output": str(out), **result}))
-    return 0
+    return EXIT_OK
 
 
 def cmd_template(args: argparse.Namespace) -> int:
     fields = {"prompt": args.prompt, "seed": str(args.seed)}
     if args.steps is not None:
         fields["num_inference_steps"] = str(args.steps)
-    files = {"image": _read(args.image, "sample.png")}
+    files = {"image": _read(args.image, "sample.png", "image")}
     if args.mask:
-        files["mask"] = _read(args.mask, "sample_mask.png")
+        files["mask"] = _read(args.mask, "sample_mask.png", "mask")
     body, ctype = encode_multipart(fields, files)
     base = args.server.rstrip("/")
     result = call("POST", base + "/v1/templates", body, ctype)
     deadline = time.monotonic() + args.timeout
-    while args.wait and result["status"] == "building" and time.monotonic() < deadline:
-        time.sleep(0.5)
-        result = call("GET", f"{base}/v1/templates/{result['id']}")
+    while args.wait and result["status"] == "building":
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(0.5, left))
+        poll_s = max(1.0, min(30.0, deadline - time.monotonic()))
+        result = call("GET", f"{base}/v1/templates/{result['id']}", timeout=poll_s)
     print(json.dumps(result))
-    return 0 if result["status"] != "failed" else 1
+    if result["status"] == "failed":
+        print(f"error: template {result['id']} failed: {result.get('error')}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.wait and result["status"] != "ready":
+        print(
+            f"timeout: template {result['id']} still {result['status']} after {args.timeout:g} s",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    return EXIT_OK
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -147,7 +196,7 @@ def add_client_parser(sub) -> None:
         p.add_argument("--server", default=DEFAULT_SERVER, help=f"default {DEFAULT_SERVER}")
         p.add_argument(
             "--wait-ready-s",
-            type=float,
+            type=_seconds(0.0, strict=False),
             default=0.0,
             help="first wait up to this long, seconds, for the server to be ready",
         )
@@ -179,7 +228,12 @@ def add_client_parser(sub) -> None:
     tmpl.add_argument("--seed", type=int, default=0)
     tmpl.add_argument("--steps", type=int, default=None)
     tmpl.add_argument("--wait", action="store_true", help="poll until ready or failed")
-    tmpl.add_argument("--timeout", type=float, default=900.0, help="--wait limit, seconds")
+    tmpl.add_argument(
+        "--timeout",
+        type=_seconds(0.0, strict=True),
+        default=900.0,
+        help="--wait limit, seconds (> 0); still building then: exit status 1",
+    )
     tmpl.set_defaults(func=run_client, client_func=cmd_template)
 
     health = csub.add_parser("health", help="print the server's /health")
@@ -192,9 +246,15 @@ def run_client(args: argparse.Namespace) -> int:
         if args.wait_ready_s > 0:
             wait_ready(args.server, args.wait_ready_s)
         return args.client_func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except ValidationError as exc:  # unreadable --image/--mask, unusable or unwritable -o
+        print(f"invalid input: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2 if 400 <= exc.status < 500 else 1
-    except (OSError, ValueError) as exc:  # connection refused, unreadable file, bad JSON
+        return EXIT_USAGE if 400 <= exc.status < 500 else EXIT_ERROR
+    except (OSError, ValueError) as exc:  # connection refused, bad JSON
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
