@@ -17,11 +17,11 @@ from instgenie.config import (
     add_dataclass_args,
     dataclass_from_args,
 )
-from instgenie.errors import InstGenIEError, ModelLoadError, ValidationError
+from instgenie.errors import EXIT_MODEL_LOAD, InstGenIEError, ModelLoadError, ValidationError
 from instgenie.logs import quiet_libraries
+from instgenie.outputs import PendingOutput, output_format
 
 EXIT_INVALID_INPUT = 2
-EXIT_MODEL_LOAD = 3
 
 
 def _int_at_least(low: int):
@@ -50,13 +50,26 @@ def _mask_ratio(text: str) -> float:
 
 
 _mask_ratio.__name__ = "mask ratio"
+
+
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+_megabytes.__name__ = "size in MB"
 _POSITIVE, _NON_NEGATIVE = _int_at_least(1), _int_at_least(0)
 
 
 def _bench_size(size: int | None, family) -> int:
     """The image side of a benchmark: a positive multiple of the family's token granule (the
     pixel size of a token at the coarsest transformer resolution), so ratios are exact."""
-    size = size or family.default_size
+    size = family.default_size if size is None else size
     if size <= 0 or size % family.granule:
         raise ValidationError(
             "size", f"must be a positive multiple of {family.granule} for {family.spec}, got {size}"
@@ -79,13 +92,15 @@ def _read(path: str | None, sample: str) -> bytes:
 
 def cmd_edit(args: argparse.Namespace) -> int:
     quiet_libraries()
+    from instgenie.engine.family import check_model_config
     from instgenie.engine.pipeline import EditPipeline
     from instgenie.engine.request import EditRequest
 
     model = dataclass_from_args(ModelConfig, args)
+    check_model_config(model)
     limits = LimitsConfig()
     out = Path(args.output)
-    fmt = args.format or (out.suffix.lstrip(".").lower() or "png")
+    fmt = output_format(out, args.format)
     req = EditRequest(
         uid="cli",
         image=_read(args.image, "sample.png"),
@@ -101,19 +116,20 @@ def cmd_edit(args: argparse.Namespace) -> int:
         paste_back=args.paste_back,
         output_format=fmt,
     )
-    t0 = time.perf_counter()
-    pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype, limits=limits)
-    t1 = time.perf_counter()
-    state = pipe.preprocess(req)
-    t2 = time.perf_counter()
-    while not state.is_done:
-        pipe.denoise_step([state])
-    _sync(model.device)
-    t3 = time.perf_counter()
-    result = pipe.postprocess([state])[0]
-    t4 = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(result.data)
+    with PendingOutput(out) as pending:  # an unusable -o fails now, not after the model ran
+        t0 = time.perf_counter()
+        pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype,
+                                 limits=limits)  # fmt: skip
+        t1 = time.perf_counter()
+        state = pipe.preprocess(req)
+        t2 = time.perf_counter()
+        while not state.is_done:
+            pipe.denoise_step([state])
+        _sync(model.device)
+        t3 = time.perf_counter()
+        result = pipe.postprocess([state])[0]
+        t4 = time.perf_counter()
+        pending.commit(result.data)
     summary = {
         "output": str(out),
         "model": model.model,
@@ -132,10 +148,12 @@ def cmd_edit(args: argparse.Namespace) -> int:
 
 def cmd_bench_step(args: argparse.Namespace) -> int:
     quiet_libraries()
+    from instgenie.engine.family import check_model_config
     from instgenie.engine.pipeline import EditPipeline
     from instgenie.engine.stepbench import bench_step
 
     model = dataclass_from_args(ModelConfig, args)
+    check_model_config(model)
     pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype)
     size = _bench_size(args.size, pipe.family)
     row = bench_step(pipe, args.mask_ratio, args.batch, size, args.warmup, args.iters)
@@ -149,15 +167,30 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     quiet_libraries()
+    from instgenie.cache.profiler import r2_report
+    from instgenie.engine.family import check_model_config
+
+    model = dataclass_from_args(ModelConfig, args)
+    check_model_config(model)
+    if args.disk_dir and not Path(args.disk_dir).is_dir():
+        raise ValidationError("disk_dir", f"{args.disk_dir!r} is not a directory")
+    with PendingOutput(Path(args.output)) as pending:  # -o checked before the profiling
+        prof = _profile(args, model, pending)
+    for line in r2_report(prof):
+        print(line)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _profile(args: argparse.Namespace, model: ModelConfig, pending: PendingOutput):
     import platform
 
     import diffusers
     import torch
 
-    from instgenie.cache.profiler import fit_profile, profile_compute, profile_dram_load, r2_report
+    from instgenie.cache.profiler import fit_profile, profile_compute, profile_dram_load
     from instgenie.engine.pipeline import EditPipeline
 
-    model = dataclass_from_args(ModelConfig, args)
     pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype)
     fam = pipe.family
     size = _bench_size(args.size, fam)
@@ -180,19 +213,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
         "command": " ".join(sys.argv),
     }
     prof = fit_profile(model.model, fam.device, fam.dtype, size, compute, loads, meta)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(prof.to_json(), indent=1))
-    for line in r2_report(prof):
-        print(line)
-    print(f"wrote {out}")
-    return 0
+    pending.commit(json.dumps(prof.to_json(), indent=1).encode())
+    return prof
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker in this process (its children are subprocesses) until SIGTERM/SIGINT."""
+    import zmq
+
     from instgenie.config import Config
+    from instgenie.engine.family import check_model_config
     from instgenie.logs import setup_process
+    from instgenie.worker.policies import get_policy
     from instgenie.worker.supervisor import Supervisor
 
     try:
@@ -203,6 +235,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise ValidationError("worker", str(exc)) from None
+    check_model_config(config.model)  # a typo fails here, not in every child after its start
+    try:
+        get_policy(config.worker.policy)
+    except ValueError as exc:
+        raise ValidationError("policy", str(exc)) from None
+    if config.worker.profile and not Path(config.worker.profile).is_file():
+        raise ValidationError("profile", f"{config.worker.profile!r} is not a file")
     setup_process("sup")
 
     def ready(msg) -> None:  # one JSON line on stdout: scripts wait for it
@@ -214,6 +253,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         sup = Supervisor(config, args.address, allow_remote=args.allow_remote, on_ready=ready)
     except ValueError as exc:  # a non-local address without --allow-remote
         raise ValidationError("address", str(exc)) from None
+    except zmq.ZMQError as exc:  # in use, or an ipc:// directory that does not exist
+        raise ValidationError("address", f"cannot bind {args.address}: {exc}") from None
     return sup.run()
 
 
@@ -266,9 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prof.add_argument("--warmup", type=_NON_NEGATIVE, default=1)
     prof.add_argument("--iters", type=_POSITIVE, default=3)
-    prof.add_argument("--load-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256])
+    prof.add_argument("--load-mb", type=_megabytes, nargs="+", default=[1, 4, 16, 64, 256])
     prof.add_argument("--disk-dir", default=None, help="profile the disk tier in this directory")
-    prof.add_argument("--disk-mb", type=float, nargs="+", default=[4, 16, 64, 256])
+    prof.add_argument("--disk-mb", type=_megabytes, nargs="+", default=[4, 16, 64, 256])
     prof.set_defaults(func=cmd_profile)
 
     worker = sub.add_parser("worker", help="run one worker (denoise loop + pre/post processes)")
@@ -292,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, and no partial output (PendingOutput)
+        print("interrupted", file=sys.stderr)
+        return 130
     except ValidationError as exc:
         print(f"invalid input: {exc}", file=sys.stderr)
         return EXIT_INVALID_INPUT

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from PIL import Image
 
 from instgenie.cli import EXIT_INVALID_INPUT, EXIT_MODEL_LOAD, main
@@ -51,8 +52,108 @@ def test_edit_invalid_input_exit_code(tmp_path, capsys) -> None:
 
 def test_edit_bad_model_exit_code(tmp_path, capsys) -> None:
     code = main(["edit", "--model", "nope:tiny", "--prompt", "x", "-o", str(tmp_path / "o.png")])
+    assert code == EXIT_INVALID_INPUT  # a typo: a usage error, before anything is loaded
+    assert "invalid input: model: unknown model family 'nope'" in capsys.readouterr().err
+    # a directory that exists but holds no diffusers model: the load itself fails
+    (tmp_path / "empty").mkdir()
+    code = main(["edit", "--model", f"sd2-inpaint:{tmp_path / 'empty'}", "--prompt", "x",
+                 "-o", str(tmp_path / "o.png")])  # fmt: skip
     assert code == EXIT_MODEL_LOAD
-    assert "unknown model family" in capsys.readouterr().err
+    assert "model load failed" in capsys.readouterr().err
+    assert not (tmp_path / "o.png").exists()
+
+
+@pytest.mark.parametrize("command", ["edit", "bench-step", "profile"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "cuda:99"],
+         "device: 'cuda"),
+        (["--device", "bogus"], "device: Expected one of cpu, cuda"),
+        (["--dtype", "bogus"], "dtype: unknown dtype 'bogus'"),
+    ],
+    ids=["absent-cuda", "bad-device", "bad-dtype"],
+)  # fmt: skip
+def test_bad_device_or_dtype_is_a_usage_error(command, args, message, tmp_path, capsys) -> None:
+    extra = {"edit": ["--prompt", "x", "-o", str(tmp_path / "o.png")], "bench-step": [],
+             "profile": ["-o", str(tmp_path / "p.json")]}[command]  # fmt: skip
+    assert main([command, "--model", "sd2-inpaint:tiny", *args, *extra]) == EXIT_INVALID_INPUT
+    assert f"invalid input: {message}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _dirty(tmp_path):
+    """An existing file and a file where a directory is expected."""
+    (tmp_path / "old.png").write_bytes(b"keep me")
+    (tmp_path / "file").write_bytes(b"")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "output, message",
+    [(".", "is a directory"), ("file/o.png", "'file' is not a directory"),
+     ("o.txt", "'.txt' is not an image file suffix")],
+)  # fmt: skip
+def test_edit_refuses_an_unusable_output_before_any_model_work(
+    output, message, tmp_path, capsys, monkeypatch
+) -> None:
+    from instgenie.engine.pipeline import EditPipeline
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(EditPipeline, "load", never)
+    monkeypatch.chdir(_dirty(tmp_path))
+    assert main(["edit", "--prompt", "x", "-o", output]) == EXIT_INVALID_INPUT
+    err = capsys.readouterr().err
+    assert "invalid input: output: " in err and message in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "old.png"]
+
+
+def test_edit_output_is_written_whole_or_not_at_all(tmp_path) -> None:
+    """A write that fails (here: a file-size limit) exits 2 naming the output, leaves no partial
+    file and keeps an older file at that path."""
+    _dirty(tmp_path)
+    code = (
+        "import resource, sys; from instgenie.cli import main; "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY)); "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "edit", "--model", "sd2-inpaint:tiny", "--steps", "1",
+         "--prompt", "x", "--no-paste-back", "-o", str(tmp_path / "old.png")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == EXIT_INVALID_INPUT, r.stderr
+    assert "invalid input: output: cannot write" in r.stderr and "File too large" in r.stderr
+    assert (tmp_path / "old.png").read_bytes() == b"keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "old.png"]
+
+
+def test_profile_refuses_bad_sizes_and_paths_before_profiling(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--model", "sd2-inpaint:tiny", "--load-mb", "-1", "-o", "p.json"])
+    assert exc.value.code == 2 and "--load-mb: must be > 0, got -1" in capsys.readouterr().err
+    _dirty(tmp_path)
+    code = main(["profile", "--model", "sd2-inpaint:tiny", "--disk-dir", str(tmp_path / "file"),
+                 "-o", str(tmp_path / "p.json")])  # fmt: skip
+    assert code == EXIT_INVALID_INPUT and "disk_dir: " in capsys.readouterr().err
+    code = main(["profile", "--model", "sd2-inpaint:tiny", "-o", str(tmp_path / "file/p.json")])
+    assert code == EXIT_INVALID_INPUT and "output: " in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "old.png"]
+
+
+def test_worker_command_names_the_bad_field(capsys) -> None:
+    for args, message in (
+        (["--policy", "nope"], "policy: unknown batching policy 'nope'"),
+        (["--model", "nope:tiny"], "model: unknown model family 'nope'"),
+        (["--address", "ipc:///nonexistent/dir/w.sock"], "address: cannot bind"),
+        (["--model-stages", "nope"], "worker: model_stages: 'nope' is not one of"),
+    ):
+        assert main(["worker", *args]) == EXIT_INVALID_INPUT, args
+        assert f"invalid input: {message}" in capsys.readouterr().err
+    assert main(["serve", "--model-stages", "nope"]) == EXIT_INVALID_INPUT
+    assert "invalid input: worker: model_stages: 'nope'" in capsys.readouterr().err
 
 
 def test_console_script_on_bundled_sample(tmp_path) -> None:
@@ -99,7 +200,20 @@ def test_bench_step_rejects_bad_arguments(args, message, capsys) -> None:
 
 
 def test_bench_step_size_must_be_on_the_token_grid(capsys) -> None:
-    code = main(["bench-step", "--model", "sd2-inpaint:tiny", "--size", "100", "--json"])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "size" in err and "must be a positive multiple of" in err and "got 100" in err
+    for size in ("100", "0"):  # 0 is not "the default"
+        code = main(["bench-step", "--model", "sd2-inpaint:tiny", "--size", size, "--json"])
+        assert code == 2
+        err = capsys.readouterr().err
+        assert "size" in err and "must be a positive multiple of" in err and f"got {size}" in err
+
+
+def test_ctrl_c_exits_130_without_a_traceback_or_a_file(tmp_path, capsys, monkeypatch) -> None:
+    from instgenie.engine.pipeline import EditPipeline
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(EditPipeline, "load", interrupted)
+    assert main(["edit", "--prompt", "x", "-o", str(tmp_path / "out" / "o.png")]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    assert list(tmp_path.iterdir()) == []

@@ -16,7 +16,8 @@ import torch
 from PIL import Image
 
 from instgenie import env
-from instgenie.errors import ModelLoadError
+from instgenie.config import ModelConfig
+from instgenie.errors import ModelLoadError, ValidationError
 
 if TYPE_CHECKING:
     from instgenie.engine.request import EditRequest, RequestState
@@ -125,6 +126,34 @@ def resolve_dtype(family_cls: type, device: str, dtype: str) -> torch.dtype:
     if dtype != "auto":
         return parse_dtype(dtype)
     return family_cls.gpu_dtype if torch.device(device).type == "cuda" else torch.float32
+
+
+def check_model_config(model: ModelConfig) -> None:
+    """ValidationError naming the field when the model spec, device or dtype cannot work on this
+    machine: checked before any weights are loaded or any work is done."""
+    try:
+        ModelSpec.parse(model.model)
+    except ModelLoadError as exc:
+        raise ValidationError("model", exc.message) from None
+    try:
+        device = torch.device(model.device)
+    except RuntimeError as exc:
+        raise ValidationError("device", str(exc)) from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValidationError("device", f"{model.device!r}: this machine has no CUDA device")
+        if device.index is not None and device.index >= count:
+            raise ValidationError("device", f"{model.device!r}: there are {count} CUDA devices")
+    elif device.type != "cpu":
+        raise ValidationError("device", f"{model.device!r}: only cpu and cuda[:N] are supported")
+    if model.dtype != "auto":
+        from instgenie.engine.build import parse_dtype
+
+        try:
+            parse_dtype(model.dtype)
+        except ValueError as exc:
+            raise ValidationError("dtype", str(exc)) from None
 
 
 def load_family(

@@ -11,6 +11,7 @@ from instgenie.config import (
     add_dataclass_args,
     dataclass_from_args,
 )
+from instgenie.errors import ValidationError
 from instgenie.server.client_cli import add_client_parser
 from instgenie.server.config import ServerConfig
 
@@ -19,11 +20,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from instgenie.server.launcher import serve
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    model = dataclass_from_args(ModelConfig, args, device=devices[0] if devices else "cpu")
-    worker = dataclass_from_args(WorkerConfig, args, max_queue=args.worker_max_queue)
-    limits = dataclass_from_args(LimitsConfig, args)
-    server = dataclass_from_args(ServerConfig, args)
-    return serve(model, devices, worker, limits, server)
+    parts = {}
+    for name, cls, extra in (
+        ("model", ModelConfig, {"device": devices[0] if devices else "cpu"}),
+        ("worker", WorkerConfig, {"max_queue": args.worker_max_queue}),
+        ("limits", LimitsConfig, {}),
+        ("server", ServerConfig, {}),
+    ):
+        try:
+            parts[name] = dataclass_from_args(cls, args, **extra)
+        except ValueError as exc:  # the message names the setting
+            raise ValidationError(name, str(exc)) from None
+    return serve(parts["model"], devices, parts["worker"], parts["limits"], parts["server"])
 
 
 def add_commands(sub) -> None:
