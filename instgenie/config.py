@@ -95,6 +95,45 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.model_stages not in ("loop", "process"):
             raise ValueError(f"model_stages: {self.model_stages!r} is not one of loop, process")
+        for name in _AT_LEAST_ONE:
+            value = getattr(self, name)
+            if not value >= 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if not value > 0:  # also refuses NaN
+                raise ValueError(f"{name}: must be > 0, got {value}")
+        for name in _NON_NEGATIVE:
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {value}")
+        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s: must be > heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), got {self.heartbeat_timeout_s}"
+            )
+
+
+#: WorkerConfig fields that are counts or capacities: a value below 1 cannot work
+_AT_LEAST_ONE = (
+    "max_batch",
+    "max_queue",
+    "num_pre",
+    "num_post",
+    "max_template_attempts",
+    "step_log_size",
+    "cache_dram_bytes",
+)
+#: WorkerConfig durations for which 0 makes no sense (a child would be restarted at once)
+_POSITIVE = (
+    "start_timeout_s",
+    "heartbeat_interval_s",
+    "heartbeat_timeout_s",
+    "stall_timeout_s",
+    "stage_timeout_s",
+)
+#: WorkerConfig fields where 0 is meaningful (restart at once; no disk tier)
+_NON_NEGATIVE = ("restart_backoff_s", "cache_disk_bytes")
 
 
 @dataclass(frozen=True)

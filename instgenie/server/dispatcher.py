@@ -9,6 +9,9 @@ Invariants (event loop thread only):
   holds its slot until the worker confirms; `slot.pending` has one entry per reservation.
 - A worker that dies fails every pending request of it at once (worker_died, retryable) and, if
   no worker is left accepting, every waiting one (no_worker); nothing waits on a dead worker.
+- ServerConfig.request_timeout_s counts from admission: a request still in the server queue at
+  its deadline leaves the queue (it is never sent later) and is answered 504 timeout; one sent
+  to a worker by then is cancelled there and answered 504 timeout.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from instgenie.server.errors import ApiError, from_worker
 from instgenie.server.pool import WorkerPool, WorkerSlot
 from instgenie.server.routing import RouteRequest, RoutingPolicy
 from instgenie.worker.client import WorkerError
+
+#: why a request that timed out never started
+QUEUED = "it waited in the server queue the whole time: no worker slot came free"
 
 
 @dataclass
@@ -127,18 +133,31 @@ class Dispatcher:
         self, ticket: Ticket, fields: dict, on_progress: Callable[[Progress], None] | None = None
     ) -> Outcome:
         """Send the admitted request to its worker and wait for the result. Cancelling the
-        calling task (client disconnect, DELETE) cancels the request on the worker."""
-        try:
-            slot = ticket.slot if ticket.waiter is None else await ticket.waiter
-        except asyncio.CancelledError:
-            self._abandon(ticket)
-            raise
+        calling task (client disconnect, DELETE) cancels the request on the worker.
+        request_timeout_s counts from admission, the server queue wait included: a request
+        still queued at its deadline leaves the queue and gets 504 timeout."""
+        deadline = ticket.admitted_at + self.cfg.request_timeout_s
+        slot = ticket.slot
+        if ticket.waiter is not None:
+            # asyncio.wait, not wait_for: it never swallows a cancellation that races the slot
+            try:
+                await asyncio.wait({ticket.waiter}, timeout=max(deadline - time.monotonic(), 0))
+                if not ticket.waiter.done():  # still queued at the deadline: leave the queue
+                    self.release(ticket)
+                    raise self._timeout(QUEUED)
+                slot = ticket.waiter.result()  # ApiError no_worker if every worker went away
+            except asyncio.CancelledError:
+                self.release(ticket)  # out of the queue, or the slot just handed to it freed
+                raise
         assert slot is not None
         fut = slot.pending.get(ticket.uid)
         client = slot.client
         if fut is None or client is None or not slot.accepting:
             self._release(slot, ticket.uid)
             raise self._worker_gone(slot, "went away before the request started (retryable: yes)")
+        if time.monotonic() >= deadline:  # a slot came at the deadline: too late to start
+            self._release(slot, ticket.uid)
+            raise self._timeout(QUEUED)
         loop = asyncio.get_running_loop()
         progress = None
         if on_progress is not None:
@@ -154,18 +173,14 @@ class Dispatcher:
             lambda f: loop.call_soon_threadsafe(self._answered, slot, ticket.uid, f)
         )
         try:
-            done = await asyncio.wait_for(asyncio.shield(fut), self.cfg.request_timeout_s)
+            left = max(deadline - time.monotonic(), 0.0)
+            done = await asyncio.wait_for(asyncio.shield(fut), left)
         except asyncio.CancelledError:
             self._cancel(slot, ticket.uid)
             raise
         except TimeoutError:
             self._cancel(slot, ticket.uid)
-            raise ApiError(
-                504,
-                "timeout",
-                f"the edit did not finish within "
-                f"{self.cfg.request_timeout_s:.0f} s and was cancelled",
-            ) from None
+            raise self._timeout(f"it was sent to worker {slot.index}") from None
         except WorkerError as exc:
             raise from_worker(exc, self.cfg.retry_after_s) from None
         now = time.monotonic()
@@ -232,6 +247,14 @@ class Dispatcher:
                 if ticket.waiter is not None and not ticket.waiter.done():
                     ticket.waiter.set_exception(self._no_worker())
         self.pump()
+
+    def _timeout(self, where: str) -> ApiError:
+        return ApiError(
+            504,
+            "timeout",
+            f"the edit did not finish within request_timeout_s = {self.cfg.request_timeout_s:g} s "
+            f"of its admission ({where}) and was cancelled",
+        )
 
     def _no_worker(self) -> ApiError:
         why = f"no worker is available ({self._states()}); retry later"

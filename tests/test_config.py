@@ -1,0 +1,87 @@
+"""Validation of the config tree: a value that cannot work is a ValueError naming its field at
+construction (so `instgenie worker`/`serve` can refuse it before starting anything)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from instgenie.config import Config, WorkerConfig, from_dict, to_dict
+
+BAD_WORKER_VALUES = [
+    # counts and capacities: below 1 nothing can run (max_batch 0: no request ever joins a batch)
+    ("max_batch", 0),
+    ("max_batch", -1),
+    ("max_queue", 0),
+    ("num_pre", 0),
+    ("num_post", 0),
+    ("max_template_attempts", 0),
+    ("step_log_size", 0),
+    ("cache_dram_bytes", 0),
+    # durations where 0 would kill/restart a child at once, or spin
+    ("start_timeout_s", 0.0),
+    ("start_timeout_s", -1.0),
+    ("start_timeout_s", math.nan),
+    ("heartbeat_interval_s", 0.0),
+    ("heartbeat_interval_s", math.nan),
+    ("heartbeat_timeout_s", 0.0),
+    ("stall_timeout_s", 0.0),
+    ("stall_timeout_s", -5.0),
+    ("stage_timeout_s", 0.0),
+    # 0 means something (restart at once, no disk tier); below 0 does not
+    ("restart_backoff_s", -0.1),
+    ("cache_disk_bytes", -1),
+    # choices
+    ("model_stages", "gpu"),
+    # a timeout no longer than the heartbeat interval kills healthy children
+    ("heartbeat_timeout_s", 0.5),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_WORKER_VALUES)
+def test_worker_config_refuses_values_that_cannot_work(name: str, value) -> None:
+    with pytest.raises(ValueError, match=rf"^{name}: ") as info:
+        WorkerConfig(**{name: value})
+    assert str(value) in str(info.value)
+    # the worker processes rebuild their config from JSON: the same check holds there
+    data = to_dict(Config())
+    data["worker"][name] = value
+    with pytest.raises(ValueError, match=rf"^{name}: "):
+        from_dict(Config, data)
+
+
+def test_worker_config_accepts_the_boundaries_and_the_defaults() -> None:
+    WorkerConfig()
+    edge = WorkerConfig(
+        max_batch=1,
+        max_queue=1,
+        num_pre=1,
+        num_post=1,
+        max_template_attempts=1,
+        step_log_size=1,
+        cache_dram_bytes=1,
+        cache_disk_bytes=0,  # documented: disables the disk tier
+        restart_backoff_s=0.0,
+        start_timeout_s=0.01,
+        heartbeat_interval_s=0.01,
+        heartbeat_timeout_s=0.02,
+        stall_timeout_s=math.inf,
+        stage_timeout_s=0.01,
+    )
+    assert edge.max_batch == 1
+    assert dataclasses.replace(edge, model_stages="process").model_stages == "process"
+
+
+def test_instgenie_worker_exits_2_on_a_bad_worker_value(capsys, monkeypatch) -> None:
+    import instgenie.worker.supervisor
+    from instgenie.cli import EXIT_INVALID_INPUT, main
+
+    def started(*args, **kwargs):
+        raise AssertionError("a worker was started with max_batch 0")
+
+    monkeypatch.setattr(instgenie.worker.supervisor, "Supervisor", started)  # never hang here
+    code = main(["worker", "--model", "sd2-inpaint:tiny", "--max-batch", "0"])
+    assert code == EXIT_INVALID_INPUT
+    assert "max_batch: must be >= 1, got 0" in capsys.readouterr().err

@@ -1,0 +1,187 @@
+"""The server's dispatcher (admission, server queue, request timeout) against a fake worker: a
+real WorkerSlot whose client records what it is sent and answers only when the test says so.
+No processes, no model: each test runs its own event loop for about a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+
+from instgenie.config import Config, LimitsConfig
+from instgenie.messages import EditDone
+from instgenie.server.config import ServerConfig
+from instgenie.server.dispatcher import Dispatcher
+from instgenie.server.errors import ApiError
+from instgenie.server.pool import WorkerSlot
+from instgenie.server.routing import LeastLoaded, RouteRequest
+from instgenie.worker.client import WorkerError
+
+ROUTE = RouteRequest(template_id=None, num_steps=2, pixels=64 * 64)
+FIELDS = dict(image=b"img", mask=b"mask", prompt="a cat", seed=0)
+#: how much later than its deadline a 504 may arrive (event loop wake-up on a loaded machine)
+MARGIN_S = 0.3
+#: a guard around each awaited run, so a request that is never answered fails the test
+#: instead of hanging it
+HANG_S = 5.0
+
+
+class FakeClient:
+    """A worker that accepts everything and answers nothing until the test does."""
+
+    def __init__(self) -> None:
+        self.submitted: dict[str, Future] = {}  # uid -> the handle's future, in order
+        self.cancelled: list[str] = []
+
+    def submit(self, msg, on_progress=None):
+        handle = SimpleNamespace(uid=msg.uid, future=Future())
+        self.submitted[msg.uid] = handle.future
+        return handle
+
+    def cancel(self, uid: str) -> None:
+        self.cancelled.append(uid)
+
+
+def _dispatcher(slots: int, timeout_s: float, max_queue: int = 4):
+    client = FakeClient()
+    slot = WorkerSlot(0, Config(), slots, state="up")
+    proc = SimpleNamespace(poll=lambda: None)  # a live supervisor process
+    slot.handle = SimpleNamespace(proc=proc, client=client, pid=1, address="ipc://fake")
+    pool = SimpleNamespace(slots=[slot])
+    cfg = ServerConfig(request_timeout_s=timeout_s, max_queue=max_queue)
+    return Dispatcher(pool, LeastLoaded(), cfg), slot, client
+
+
+def _done(uid: str) -> EditDone:
+    return EditDone(uid=uid, data=b"out", output_format="png", width=64, height=64,
+                    mask_ratio=0.5, num_steps=2, path="full")  # fmt: skip
+
+
+async def _timed_run(d: Dispatcher, ticket) -> tuple[BaseException | None, float]:
+    """(the exception `run` ended with, seconds from admission to the answer)."""
+    try:
+        await asyncio.wait_for(d.run(ticket, FIELDS), HANG_S)
+    except TimeoutError:
+        pytest.fail(f"request {ticket.uid} got no answer within {HANG_S} s (it hangs)")
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc, time.monotonic() - ticket.admitted_at
+    return None, time.monotonic() - ticket.admitted_at
+
+
+def _assert_timeout(exc: BaseException | None, took: float, timeout_s: float) -> None:
+    assert isinstance(exc, ApiError), exc
+    assert (exc.status_code, exc.code) == (504, "timeout")
+    assert timeout_s - 0.05 <= took <= timeout_s + MARGIN_S, took
+    assert "request_timeout_s" in exc.message
+
+
+def test_a_request_no_worker_slot_can_take_gets_504_timeout_and_leaves_the_queue() -> None:
+    """A worker with no slot (what --max-batch 0 made: 2 x 0 slots) never takes the request:
+    it must still be answered 504 timeout within request_timeout_s, and leave the queue."""
+
+    async def main() -> None:
+        d, slot, client = _dispatcher(slots=0, timeout_s=0.5)
+        ticket = d.admit(ROUTE)
+        assert ticket.waiter is not None and list(d.waiting) == [ticket]  # queued
+        exc, took = await _timed_run(d, ticket)
+        _assert_timeout(exc, took, 0.5)
+        assert "server queue" in exc.message
+        assert not d.waiting and d.idle  # queue depth back to 0; drain would not wait on it
+        assert client.submitted == {} and slot.pending == {}
+
+    asyncio.run(main())
+
+
+def test_a_queued_request_that_timed_out_is_never_sent_later() -> None:
+    """One slot, held by A (its worker never answers); B waits in the server queue. Both get
+    504 at their deadline; when the worker later confirms A's cancellation, the freed slot is
+    not handed to B (already answered) but to the next request."""
+
+    async def main() -> None:
+        d, slot, client = _dispatcher(slots=1, timeout_s=0.5)
+        a, b = d.admit(ROUTE), d.admit(ROUTE)
+        assert a.waiter is None and a.slot is slot and list(d.waiting) == [b]
+        (exc_a, took_a), (exc_b, took_b) = await asyncio.gather(_timed_run(d, a), _timed_run(d, b))
+        _assert_timeout(exc_a, took_a, 0.5)
+        _assert_timeout(exc_b, took_b, 0.5)
+        assert "server queue" in exc_b.message and "worker 0" in exc_a.message
+        assert not d.waiting
+        assert list(client.submitted) == [a.uid] and client.cancelled == [a.uid]
+        assert slot.in_flight == 1  # A's slot stays reserved until the worker confirms
+        client.submitted[a.uid].set_exception(WorkerError("cancelled", "cancelled"))
+        await asyncio.sleep(0.05)  # the answer reaches the event loop (call_soon_threadsafe)
+        assert slot.in_flight == 0 and list(client.submitted) == [a.uid]  # B was not sent
+        c = d.admit(ROUTE)
+        assert c.waiter is None and c.slot is slot  # the slot is free for new work
+
+    asyncio.run(main())
+
+
+def test_the_request_timeout_counts_from_admission_queue_wait_included() -> None:
+    """B waits 0.6 s in the server queue, then is sent to a worker that never answers: its 504
+    comes at 1 s from admission (request_timeout_s), not 1 s after it was sent."""
+
+    async def main() -> None:
+        d, slot, client = _dispatcher(slots=1, timeout_s=1.0)
+        a, b = d.admit(ROUTE), d.admit(ROUTE)
+        run_a = asyncio.create_task(d.run(a, FIELDS))
+        run_b = asyncio.create_task(_timed_run(d, b))
+        await asyncio.sleep(0.6)
+        client.submitted[a.uid].set_result(_done(a.uid))  # A finishes: its slot goes to B
+        outcome = await run_a
+        assert outcome.done.uid == a.uid
+        exc_b, took_b = await run_b
+        assert list(client.submitted) == [a.uid, b.uid]  # B did run on the worker
+        _assert_timeout(exc_b, took_b, 1.0)
+        assert "worker 0" in exc_b.message
+        assert client.cancelled == [b.uid]  # and was cancelled there
+
+    asyncio.run(main())
+
+
+def test_a_client_leaving_while_queued_frees_its_place() -> None:
+    """Cancelling the run of a queued request (client disconnect, DELETE) takes it out of the
+    queue at once; the slot freed later is not handed to it."""
+
+    async def main() -> None:
+        d, slot, client = _dispatcher(slots=1, timeout_s=30.0)
+        a, b = d.admit(ROUTE), d.admit(ROUTE)
+        run_a = asyncio.create_task(d.run(a, FIELDS))
+        run_b = asyncio.create_task(d.run(b, FIELDS))
+        await asyncio.sleep(0.05)
+        run_b.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run_b
+        assert not d.waiting and b.waiter.cancelled()
+        client.submitted[a.uid].set_result(_done(a.uid))
+        assert (await run_a).done.uid == a.uid
+        await asyncio.sleep(0.05)
+        assert list(client.submitted) == [a.uid] and slot.in_flight == 0 and d.idle
+
+    asyncio.run(main())
+
+
+def test_a_queue_timeout_is_counted_and_the_queue_gauge_returns_to_zero() -> None:
+    """Through Runtime (the HTTP routes' path): the 504 is counted in
+    instgenie_edit_failures_total{code="timeout"} and instgenie_queue_depth reads 0 after."""
+    from instgenie.server.runtime import EditSpec, Runtime
+
+    async def main() -> None:
+        d, slot, _ = _dispatcher(slots=0, timeout_s=0.3)
+        rt = Runtime(d.pool, d.cfg, LimitsConfig())
+        spec = EditSpec(dict(FIELDS), ROUTE, None, 0)
+        ticket = rt.admit(spec)
+        assert "instgenie_queue_depth 1.0" in rt.metrics.render().decode()
+        with pytest.raises(ApiError) as info:
+            await asyncio.wait_for(rt.execute(ticket, spec), HANG_S)
+        assert info.value.code == "timeout"
+        text = rt.metrics.render().decode()
+        assert 'instgenie_edit_failures_total{code="timeout"} 1.0' in text
+        assert "instgenie_queue_depth 0.0" in text
+        rt.health._executor.shutdown()
+
+    asyncio.run(main())
