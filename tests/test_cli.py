@@ -152,8 +152,15 @@ def test_worker_command_names_the_bad_field(capsys) -> None:
     ):
         assert main(["worker", *args]) == EXIT_INVALID_INPUT, args
         assert f"invalid input: {message}" in capsys.readouterr().err
-    assert main(["serve", "--model-stages", "nope"]) == EXIT_INVALID_INPUT
-    assert "invalid input: worker: model_stages: 'nope'" in capsys.readouterr().err
+    for args, message in (
+        (["--model-stages", "nope"], "worker: model_stages: 'nope'"),
+        (["--policy", "nope"], "policy: unknown batching policy 'nope'"),
+        (["--worker-start-timeout-s", "0"], "worker_start_timeout_s: must be > 0"),
+        (["--drain-timeout-s", "-1"], "drain_timeout_s: must be >= 0"),
+        (["--job-ttl-s", "0"], "job_ttl_s: must be > 0"),
+    ):
+        assert main(["serve", *args]) == EXIT_INVALID_INPUT, args
+        assert message in capsys.readouterr().err, args
 
 
 def test_console_script_on_bundled_sample(tmp_path) -> None:

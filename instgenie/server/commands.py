@@ -31,6 +31,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             parts[name] = dataclass_from_args(cls, args, **extra)
         except ValueError as exc:  # the message names the setting
             raise ValidationError(name, str(exc)) from None
+    from instgenie.worker.policies import get_policy  # (light: no torch)
+
+    try:
+        get_policy(parts["worker"].policy)
+    except ValueError as exc:
+        raise ValidationError("policy", str(exc)) from None
     return serve(parts["model"], devices, parts["worker"], parts["limits"], parts["server"])
 
 

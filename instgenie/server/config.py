@@ -69,9 +69,11 @@ def check_server_config(cfg: ServerConfig) -> None:
     for name in ("max_body_bytes", "max_parts", "max_field_bytes", "max_jobs", "max_templates"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(cfg, name)}")
-    for name in ("max_queue", "worker_slots", "retry_after_s", "default_steps", "worker_hang_s"):
+    for name in ("max_queue", "worker_slots", "retry_after_s", "default_steps", "worker_hang_s",
+                 "drain_timeout_s"):  # fmt: skip
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
-    for name in ("request_timeout_s", "health_poll_s", "health_timeout_s", "stall_s"):
-        if getattr(cfg, name) <= 0:
+    for name in ("request_timeout_s", "health_poll_s", "health_timeout_s", "stall_s",
+                 "worker_start_timeout_s", "job_ttl_s"):  # fmt: skip
+        if not getattr(cfg, name) > 0:  # nan too
             raise ValueError(f"{name}: must be > 0, got {getattr(cfg, name)}")
