@@ -308,8 +308,10 @@ def test_sigint_during_an_edit_exits_130_without_a_traceback_or_a_file(
     out_file = tmp_path / "new" / "edit.png"
     cmd = [sys.executable, "-m", "instgenie.cli", "client", *edit_args(api, out_file)]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # a shell's background job inherits SIGINT ignored (CI): give the client a terminal's
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         assert api.edit_arrived.wait(60), "the client never sent its edit"
         proc.send_signal(signal.SIGINT)
