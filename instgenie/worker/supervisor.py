@@ -34,8 +34,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-import numpy as np
-
 from instgenie.config import Config, from_dict
 from instgenie.errors import EXIT_MODEL_LOAD
 from instgenie.ipc import Channel, Server, ipc_address, poll
@@ -71,6 +69,7 @@ from instgenie.tensorshm import cleanup, release
 from instgenie.worker.children import Child, ChildProcesses, Flight, Template
 from instgenie.worker.names import CAPTURE_PREFIX, capture_uid, shm_base
 from instgenie.worker.policies import get_policy
+from instgenie.worker.stats import worker_stats
 
 log = logging.getLogger("instgenie.worker")
 
@@ -466,39 +465,7 @@ class Supervisor(ChildProcesses):
 
     # ---- stats ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        out = {k: float(v) for k, v in self.counters.items()}
-        stages = [f.stage for f in self.flights.values()]
-        out.update({f"in_{s}": float(stages.count(s)) for s in ("queued", "pre", "loop", "post")})
-        out["in_flight"] = float(len(self.flights))
-        states = [t.state for t in self.templates.values()]
-        out.update(
-            {f"templates_{s}": float(states.count(s)) for s in ("building", "ready", "failed")}
-        )
-        out["ready"] = float(self.ready)
-        out["steps_total"] = float(self.step_offset + self.loop_steps)
-        #: > 0 while the loop encodes/decodes (under stage_timeout_s): busy, not stalled
-        out["loop_busy_s"] = max((c.busy_s for c in self.children if c.role == "loop"), default=0)
-        out["uptime_s"] = time.monotonic() - self.started
-        out["garbage_frames"] = float(self.server.garbage_frames + self.inbox.garbage_frames)
-        out["pid_supervisor"] = float(os.getpid())
-        for c in self.children:
-            out[f"pid_{c.role}_{c.index}"] = float(c.pid)
-            out[f"restarts_{c.role}_{c.index}"] = float(c.restarts)
-            out[f"codec_{c.role}_{c.index}"] = float(c.codec)
-        if self.w.cache_root:  # block loads come from the host DRAM tier
-            out["cache_bytes_loaded_dram"] = float(self.bytes_loaded)
-        for k in ("evictions_dram", "evictions_disk", "bytes_dram", "bytes_disk", "corrupt"):
-            if k in self.cache_stats:
-                out[f"cache_{k}"] = self.cache_stats[k]
-        if self.steps:  # 0 once the loop reports an empty batch (the gauge must come back down)
-            idle = all(c.running == 0 for c in self.children if c.role == "loop")
-            out["batch_size_last"] = 0.0 if idle else float(len(self.steps[-1].members))
-        if self.latency:
-            arr = np.asarray(self.latency)
-            for q in (50, 95, 99):
-                out[f"total_ms_p{q}"] = float(np.percentile(arr[:, 0], q))
-                out[f"queue_ms_p{q}"] = float(np.percentile(arr[:, 1], q))
-        return out
+        return worker_stats(self)
 
 
 def main(argv: list[str] | None = None) -> int:
