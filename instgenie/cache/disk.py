@@ -211,11 +211,11 @@ class DiskTier:
         with _WRITING_LOCK:
             _WRITING.add(str(tmp))
         try:
-            self._write_tmp(key, layout, src, tmp)
+            written = self._write_tmp(key, layout, src, tmp)
         finally:
             with _WRITING_LOCK:
                 _WRITING.discard(str(tmp))
-        self._count(bytes_written=self.file_nbytes(layout))
+        self._count(bytes_written=written)
         try:
             self._fsync_dir()
         except OSError as e:
@@ -224,8 +224,8 @@ class DiskTier:
             # previous state: no entry, which is a miss)
             log.warning("disk cache: fsync of the directory after writing %s: %s", key[:12], e)
 
-    def _write_tmp(self, key: str, layout: TemplateLayout, src: Any, tmp: Path) -> None:
-        """Write the whole entry into tmp, fsync it and rename it into place."""
+    def _write_tmp(self, key: str, layout: TemplateLayout, src: Any, tmp: Path) -> int:
+        """Write the whole entry into tmp, fsync it and rename it into place; its bytes."""
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
@@ -248,6 +248,7 @@ class DiskTier:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        return data_offset + layout.nbytes
 
     def _pwrite_all(self, fd: int, mv: memoryview, offset: int) -> None:
         while len(mv):

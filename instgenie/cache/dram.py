@@ -191,13 +191,13 @@ class Segment:
         the pages and writes the header (a write into an unbacked page of a full /dev/shm is a
         SIGBUS, not an error)."""
         name = segment_name(namespace, key)
-        size = cls._meta(key, layout)[1] + layout.nbytes
+        hdr = cls._meta(key, layout)[1]
         try:
-            shm = _open_shm(name, size)
+            shm = _open_shm(name, hdr + layout.nbytes)
         except FileExistsError:  # debris not listed by the index (we hold the reservation)
             _unlink_shm(name)
-            shm = _open_shm(name, size)
-        return cls(shm, key, layout, cls._meta(key, layout)[1])
+            shm = _open_shm(name, hdr + layout.nbytes)
+        return cls(shm, key, layout, hdr)
 
     @classmethod
     def attach(cls, namespace: str, key: str) -> Segment:
