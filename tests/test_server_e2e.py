@@ -101,6 +101,27 @@ def test_template_build_then_masked_edit_hits_the_cache(srv: ServerProcess) -> N
     assert r.status_code == 422 and r.json()["error"]["field"] == "template_id"
 
 
+def test_template_without_steps_builds_at_the_servers_default_and_its_edits_hit(
+    srv: ServerProcess,
+) -> None:
+    """The shared server runs with --default-steps 2. A template that names no steps is built
+    at those steps and an edit that names none runs them too: a masked cache hit (before, the
+    template was built at the model's own default and every such edit missed its cache)."""
+    image = image_png(seed=12)
+    r = srv.post("/v1/templates", json={"image": base64.b64encode(image).decode()})
+    assert r.status_code == 202, r.text
+    assert r.json()["num_inference_steps"] == 2
+    tid = r.json()["id"]
+    try:
+        assert _wait_template(srv, tid)["status"] == "ready"
+        r = srv.post("/v1/edits", files=edit_files(), data={"template_id": tid, "prompt": "a hat"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert (body["path"], body["cache"], body["num_steps"]) == ("masked", "hit", 2)
+    finally:
+        srv.delete(f"/v1/templates/{tid}")
+
+
 def test_unregistered_image_runs_the_full_path(srv: ServerProcess) -> None:
     r = srv.post(
         "/v1/edits",

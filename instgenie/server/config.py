@@ -39,7 +39,8 @@ class ServerConfig:
     job_ttl_s: float = 600.0
     #: most registered templates
     max_templates: int = 256
-    #: steps of an edit that names none and matches no template; 0 = the model's default
+    #: steps of a template, or of an edit of no template, that names none (an edit of a template
+    #: that names none runs the template's steps); 0 = the model's default
     default_steps: int = 0
     #: seconds between health polls of each worker (stats, step log)
     health_poll_s: float = 0.5

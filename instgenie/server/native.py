@@ -130,7 +130,11 @@ async def create_template(request: Request) -> JSONResponse:
         prompt=params.prompt,
         negative_prompt=params.negative_prompt,
         seed=params.seed,
-        num_inference_steps=params.num_inference_steps,
+        num_inference_steps=(
+            params.num_inference_steps
+            if params.num_inference_steps is not None
+            else rt.default_steps()
+        ),
         guidance_scale=params.guidance_scale,
         strength=params.strength,
         mask=mask,

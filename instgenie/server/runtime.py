@@ -121,6 +121,15 @@ class Runtime:
                 "guidance_scale", f"must be between 0 and {lim.max_guidance_scale}, got {guidance}"
             )
 
+    def default_steps(self) -> int | None:
+        """Steps of a template, or of an edit of no template, that names none: the configured
+        default (capped by the limit); None = the model's own default. A template registered
+        without steps is stored with these, so its edits (which default to the template's
+        steps) run the steps its cache was captured at."""
+        if self.cfg.default_steps:
+            return min(self.cfg.default_steps, self.limits.max_steps)
+        return None
+
     def prepare_edit(
         self,
         *,
@@ -168,8 +177,8 @@ class Runtime:
         steps = num_inference_steps
         if steps is None and rec is not None:
             steps = rec.msg.num_inference_steps
-        if steps is None and self.cfg.default_steps:
-            steps = min(self.cfg.default_steps, self.limits.max_steps)
+        if steps is None:
+            steps = self.default_steps()
         if guidance_scale is None and rec is not None:
             guidance_scale = rec.msg.guidance_scale
         out_w, out_h = size if size is not None else (None, None)
