@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -232,6 +233,32 @@ def test_debris_is_reconciled_at_start(tmp_path: Path, ns: str) -> None:
     tier2 = DramTier(tmp_path, ns, 10 * N)
     assert tier2.status(KA) == "absent" and tier2.status(KB) == "ready"
     assert shm_names(ns) == [segment_name(ns, KB)] and tier2.stats.stale_segments == 1
+
+
+def test_differently_configured_processes_do_not_fight_over_capacity(
+    tmp_path: Path, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two processes of a host sharing one index, configured with different DRAM capacities: the
+    one configured last sets the host's capacity and the other follows it, instead of writing its
+    own back on every transaction (which flipped the capacity and evicted entries back and forth).
+    A process that is reconfigured applies its new capacity at its next transaction."""
+    big = DramTier(tmp_path, ns, 3 * N)
+    fill(big, KA, 1)
+    fill(big, KB, 2)
+    small = DramTier(tmp_path, ns, 2 * N)  # started last: the host's DRAM capacity is 2N
+    with caplog.at_level(logging.WARNING, logger="instgenie.cache.dram"):
+        fill(big, KC, 3)  # must fit in 2N: the LRU entry KA goes
+        for _ in range(3):  # alternating transactions change nothing
+            for tier in (big, small):
+                with tier.txn() as t:
+                    assert t.idx.capacities["dram"] == 2 * N
+                assert [tier.status(k) for k in (KA, KB, KC)] == ["absent", "ready", "ready"]
+    warned = [r.getMessage() for r in caplog.records if "configured for" in r.getMessage()]
+    assert len(warned) == 1 and f"configured for {3 * N}" in warned[0]  # once, by `big`
+    big.capacities["dram"] = 4 * N
+    for tier in (big, small):
+        with tier.txn() as t:
+            assert t.idx.capacities["dram"] == 4 * N
 
 
 def test_nested_transaction_refused(tmp_path: Path, ns: str) -> None:

@@ -281,6 +281,22 @@ def test_restart_with_the_disk_tier_switched_on_uses_it(tmp_path: Path, ns: str)
         assert store.stats()["disk_enabled"] and store.status(KB) == "disk"
 
 
+def test_a_process_without_the_disk_tier_does_not_switch_it_off_for_the_host(
+    tmp_path: Path, ns: str
+) -> None:
+    """B runs without a disk tier, A (configured last: the host's capacities are A's) with one.
+    B's DRAM eviction is routed to disk by the host index and B cannot write it: the entry is
+    dropped, but the host's disk tier stays on (before, B switched it off host-wide and A
+    switched it back on at its next recovery check, over and over)."""
+    with make(tmp_path, ns, dram=1, disk_enabled=False) as b, make(tmp_path, ns, dram=1) as a:
+        write(b, KA, 1)
+        write(b, KB, 2)  # evicts KA: B's write refuses it
+        assert b.status(KA) == "absent" and b.disk.keys() == []
+        assert a.stats()["disk_enabled"]
+        write(a, KC, 3)  # evicts KB: A demotes it to disk
+        assert a.status(KB) == "disk"
+
+
 def test_loading_from_disk_keeps_the_entry_being_loaded(tmp_path: Path, ns: str) -> None:
     """Disk holds KA (LRU) and KB, DRAM holds KC: loading KA demotes KC, and the disk room for
     KC must not be made by deleting KA's file before it is read."""

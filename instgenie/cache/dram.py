@@ -12,7 +12,10 @@ Host index: a CacheIndex (tiers "dram" and, for the tiered store, "disk") stored
 open file). References are per owner `"pid:start_time"`; on every read of the index, owners whose
 process is gone (or whose pid was reused: the start time differs) lose their references, and the
 segments they were building are unlinked. Segments are created and unlinked only under the lock,
-so any segment of the namespace that the index does not list is debris and is removed.
+so any segment of the namespace that the index does not list is debris and is removed. The tier
+capacities in the index are host state: a process writes its configured ones in its first
+transaction (and after a reconfiguration), not in every one; the last process configured wins
+(`DramTier._configure`).
 
 Resource tracker: Python < 3.13 registers every SharedMemory (created or merely attached) with the
 multiprocessing resource_tracker, which unlinks it when the registering process tree exits (and
@@ -290,7 +293,10 @@ class DramTier:
         self.owner = owner_id()
         self.demote, self.drop_disk, self.clock = demote, drop_disk, clock
         disk = disk_capacity_bytes if demote is not None else 0
+        #: this process's configured capacities (bytes per tier); see _configure
         self.capacities = {"dram": capacity_bytes, "disk": disk}
+        self._applied: dict[str, int] = {}  # the capacities as this process last wrote them
+        self._warned: set[tuple[str, int]] = set()  # (tier, host capacity) already logged
         self.stats = DramStats()
         self._path = self.root / f"index-{self.ns}.json"
         self._lock_fd = os.open(self.root / f"index-{self.ns}.lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -325,9 +331,7 @@ class DramTier:
                     for o in dead:
                         self.apply(t, t.idx.drop_owner(o))
                     self.stats.dead_owners += len(dead)
-                    for tier, cap in self.capacities.items():
-                        if t.idx.capacities[tier] != cap:
-                            self.apply(t, t.idx.set_capacity(tier, cap))
+                    self._configure(t)
                     yield t
                 finally:
                     if t is not None:
@@ -337,6 +341,30 @@ class DramTier:
         finally:
             for seg in t.demotions if t is not None else ():
                 self._demote(seg)
+
+    def _configure(self, t: Txn) -> None:
+        """Write this process's configured capacities into the host index when they changed
+        since this process last wrote them (in its first transaction, and after self.capacities
+        is changed), never otherwise.
+
+        The capacities are host state shared by every process of the namespace: the last process
+        to be (re)configured sets them, and the others follow the index instead of writing their
+        own back on every transaction (which, with differing configurations, flipped the
+        capacities and evicted entries back and forth). A start with a new configuration thus
+        still applies it, e.g. a disk capacity going from 0 to > 0 switches the tier back on
+        (docs/decisions/0017-disk-tier-recovery.md). A process whose configuration differs from
+        the host's logs it once per (tier, host value)."""
+        for tier, cap in self.capacities.items():
+            if self._applied.get(tier) != cap:  # first transaction, or reconfigured since
+                if t.idx.capacities[tier] != cap:
+                    self.apply(t, t.idx.set_capacity(tier, cap))
+                self._applied[tier] = cap
+            host = t.idx.capacities[tier]
+            if host != cap and (tier, host) not in self._warned:
+                self._warned.add((tier, host))
+                log.warning("host cache %s: %s capacity is %d bytes (set by another process), "
+                            "this process is configured for %d: using the host's",
+                            self.ns, tier, host, cap)  # fmt: skip
 
     def apply(self, t: Txn, evictions: list[Eviction]) -> None:
         """Carry out index evictions (under the lock): unlink dropped segments, keep demoted ones

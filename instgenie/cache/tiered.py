@@ -138,23 +138,29 @@ class TieredStore:
                 except CacheFull:
                     return False
             assert seg.data is not None
-            ok = self.disk.write(key, seg.layout, seg.data)
+            ok = self._write_disk(key, seg.layout, seg.data)
             self._disk_written(key, ok)
             return ok
         finally:
             self.dram.release(seg)
 
-    def _demote(self, key: str, layout: TemplateLayout, data: torch.Tensor) -> bool:
-        """DramTier callback, outside the host lock: the index already reserved the disk entry."""
+    def _write_disk(self, key: str, layout: TemplateLayout, data: torch.Tensor) -> bool:
+        """Write one disk entry; a write that switched this process's disk tier off (ENOSPC
+        after eviction) switches it off host-wide. A write refused because the tier was off
+        here already does not: another process may have switched it on for the host (its
+        configuration wins, DramTier._configure), and turning it off there would make the
+        two processes flip it every recover_interval_s."""
+        was_enabled = self.disk.enabled
         ok = self.disk.write(key, layout, data)
-        if not ok and not self.disk.enabled:
+        if not ok and was_enabled and not self.disk.enabled:
             self._disable_disk()
         return ok
 
+    def _demote(self, key: str, layout: TemplateLayout, data: torch.Tensor) -> bool:
+        """DramTier callback, outside the host lock: the index already reserved the disk entry."""
+        return self._write_disk(key, layout, data)
+
     def _disk_written(self, key: str, ok: bool) -> None:
-        if not ok and not self.disk.enabled:
-            self._disable_disk()
-            return
         with self.dram.txn() as t:
             if ok and not t.idx.commit(key, "disk"):
                 self.disk.delete(key)  # the tier was switched off meanwhile
