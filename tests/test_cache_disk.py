@@ -232,6 +232,57 @@ def test_symlinked_entry_is_not_followed(tier: DiskTier, tmp_path: Path) -> None
     assert target.read_bytes() == b"secret"
 
 
+@pytest.mark.parametrize("when", ["before_quarantine", "during_rename", "twice"])
+def test_quarantine_spares_a_newer_entry_written_meanwhile(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """A reader finds K1 corrupt; a writer renames a new valid K1 over the path before the reader
+    has moved the file it read to quarantine/: before it starts, or between its identity check
+    and its rename (the rename then takes the new file, which is put back); "twice": a third
+    writer's K1 lands before that put-back, and wins. The newest entry stays readable and no
+    valid file is quarantined."""
+    assert tier.write(K1, LAYOUT, rand_buf(seed=1))
+    flip(tier.path(K1), tier.path(K1).stat().st_size - 1)  # last chunk: found after reading all
+    newer = [rand_buf(seed=2), rand_buf(seed=3)]
+    written: list[torch.Tensor] = []
+
+    def writer_wins() -> None:  # a writer of another process, deterministically first
+        written.append(newer[len(written)])
+        assert tier.write(K1, LAYOUT, written[-1])
+
+    if when == "before_quarantine":
+        corrupt = tier._corrupt
+
+        def racing_corrupt(*args):  # noqa: ANN002, ANN202
+            writer_wins()
+            return corrupt(*args)
+
+        monkeypatch.setattr(tier, "_corrupt", racing_corrupt)
+    else:
+        replace, link = os.replace, os.link
+
+        def racing_replace(src, dst) -> None:  # noqa: ANN001
+            if Path(dst).parent == tier.quarantine_dir and not written:
+                writer_wins()  # (the writer's own rename, into entries/, passes straight on)
+            replace(src, dst)
+
+        def racing_link(src, dst) -> None:  # noqa: ANN001
+            if when == "twice":
+                writer_wins()
+            link(src, dst)
+
+        monkeypatch.setattr(os, "replace", racing_replace)
+        monkeypatch.setattr(os, "link", racing_link)
+    with pytest.raises(CorruptEntry):
+        read(tier, K1)
+    monkeypatch.undo()
+    assert len(written) == (2 if when == "twice" else 1)
+    assert torch.equal(read(tier, K1), written[-1])
+    assert list(tier.quarantine_dir.iterdir()) == []
+    c = tier.counters()
+    assert (c["corrupt"], c["quarantined"]) == (1, 0)
+
+
 def test_crash_mid_write_keeps_old_entry(tier: DiskTier) -> None:
     assert tier.write(K1, LAYOUT, rand_buf(seed=0))
     calls = []

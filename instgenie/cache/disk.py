@@ -14,8 +14,9 @@ Writes go to `.<digest>.<pid>.<random>.tmp` in the same directory, fsync, rename
 readers see the old entry or the whole new one, never a part. A crash leaves only a temp file,
 removed by the next DiskTier of the host once its writer pid is gone. Reads verify everything
 while streaming chunk by chunk into the caller's buffer; any mismatch moves the file to
-`<root>/quarantine/` and raises CorruptEntry. Disk failures never raise from `write`: ENOSPC
-evicts and retries once, then the tier switches itself off (`enabled = False`).
+`<root>/quarantine/` and raises CorruptEntry (the file that was read, by st_dev/st_ino: a newer
+entry a writer renamed over its path meanwhile stays). Disk failures never raise from `write`:
+ENOSPC evicts and retries once, then the tier switches itself off (`enabled = False`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,15 @@ def check_key(key: Any) -> str:
     if not isinstance(key, str) or not _KEY.fullmatch(key):
         raise ValueError(f"cache key must be 64 lowercase hex characters, got {key!r:.80}")
     return key
+
+
+def _ident(p: Path) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the path itself (a symlink is not followed); None if it is gone."""
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _pid_alive(pid: int) -> bool:
@@ -280,8 +290,8 @@ class DiskTier:
     # ---- read -----------------------------------------------------------------------------------
     def read_layout(self, key: str) -> TemplateLayout:
         """The entry's layout, header verified (CacheMiss / CorruptEntry otherwise)."""
-        with self._open(key) as (f, size):
-            return self._read_header(key, f, size).layout
+        with self._open(key) as (f, st):
+            return self._read_header(key, f, st).layout
 
     def read_into(self, key: str, layout: TemplateLayout, out: Buffer) -> None:
         """Fill out[:layout.nbytes] with the entry, verifying every chunk's crc32 as it streams
@@ -290,10 +300,10 @@ class DiskTier:
         if dst.numel() < layout.nbytes:
             raise ValueError(f"buffer of {dst.numel()} bytes < layout's {layout.nbytes}")
         mv = memoryview(dst.numpy())
-        with self._open(key) as (f, size):
-            h = self._read_header(key, f, size)
+        with self._open(key) as (f, st):
+            h = self._read_header(key, f, st)
             if h.layout != layout:
-                raise self._corrupt(key, "layout differs from the expected one")
+                raise self._corrupt(key, "layout differs from the expected one", st)
             f.seek(h.data_offset)
             for i, crc in enumerate(h.crcs):
                 a = i * h.chunk_bytes
@@ -302,10 +312,10 @@ class DiskTier:
                 while got < len(chunk):
                     n = f.readinto(chunk[got:])
                     if not n:
-                        raise self._corrupt(key, "truncated data")
+                        raise self._corrupt(key, "truncated data", st)
                     got += n
                 if zlib.crc32(chunk) != crc:
-                    raise self._corrupt(key, f"crc mismatch in chunk {i}")
+                    raise self._corrupt(key, f"crc mismatch in chunk {i}", st)
         self._count(hits=1, bytes_read=h.data_offset + layout.nbytes)
         try:
             os.utime(self.path(key))  # LRU by mtime
@@ -315,18 +325,20 @@ class DiskTier:
     def _open(self, key: str) -> _OpenEntry:
         return _OpenEntry(self, key)
 
-    def _read_header(self, key: str, f: BinaryIO, size: int) -> _Header:
+    def _read_header(self, key: str, f: BinaryIO, st: os.stat_result) -> _Header:
+        """st: fstat of f (its size; its identity, for _corrupt)."""
+        size = st.st_size
         pre = f.read(PREAMBLE.size)
         if len(pre) != PREAMBLE.size:
-            raise self._corrupt(key, "truncated preamble")
+            raise self._corrupt(key, "truncated preamble", st)
         magic, version, hlen, hcrc = PREAMBLE.unpack(pre)
         if magic != MAGIC or version != VERSION:
-            raise self._corrupt(key, f"bad magic/version {magic!r}/{version}")
+            raise self._corrupt(key, f"bad magic/version {magic!r}/{version}", st)
         if hlen > MAX_HEADER_BYTES or PREAMBLE.size + hlen > size:
-            raise self._corrupt(key, f"bad header length {hlen}")
+            raise self._corrupt(key, f"bad header length {hlen}", st)
         raw = f.read(hlen)
         if len(raw) != hlen or zlib.crc32(raw) != hcrc:
-            raise self._corrupt(key, "header crc mismatch")
+            raise self._corrupt(key, "header crc mismatch", st)
         try:
             d = json.loads(raw)
             if not isinstance(d, dict) or set(d) != _HEADER_KEYS:
@@ -339,26 +351,53 @@ class DiskTier:
             if len(crcs) != len(d["crc32"]) or len(crcs) != -(-n // chunk):
                 raise ValueError("bad crc list")
         except (ValueError, TypeError, AttributeError) as e:
-            raise self._corrupt(key, f"bad header: {e}") from None
+            raise self._corrupt(key, f"bad header: {e}", st) from None
         data_offset = self._data_offset(hlen)
         if size != data_offset + n:
-            raise self._corrupt(key, f"size {size} != {data_offset + n} bytes")
+            raise self._corrupt(key, f"size {size} != {data_offset + n} bytes", st)
         return _Header(layout, chunk, crcs, data_offset)
 
-    def _corrupt(self, key: str, why: str) -> CorruptEntry:
-        """Count, move the file out of entries/ (never read again) and return the error."""
-        log.warning("disk cache entry %s is corrupt (%s): quarantined", key[:12], why)
-        self._count(corrupt=1)
+    def _corrupt(self, key: str, why: str, read: os.stat_result | None) -> CorruptEntry:
+        """Count, move the file that was read out of entries/ (never read again) and return the
+        error. read: (l)stat of that file, which identifies it by (st_dev, st_ino); None when
+        unknown (nothing is moved then)."""
+        moved = read is not None and self._quarantine(key, (read.st_dev, read.st_ino))
+        self._count(corrupt=1, quarantined=int(moved))
+        log.warning("disk cache entry %s is corrupt (%s): %s", key[:12], why,
+                    "quarantined" if moved else "not moved (gone or replaced since)")  # fmt: skip
+        return CorruptEntry(f"{key[:12]}: {why}")
+
+    def _quarantine(self, key: str, ident: tuple[int, int]) -> bool:
+        """Move the entry file whose (st_dev, st_ino) is ident to quarantine/. A writer may have
+        renamed a newer entry over the path since it was read: the path is moved only while it
+        names that very file, so a newer entry is never quarantined (nor deleted). False when
+        the file was not moved (gone, replaced meanwhile, or not movable: then deleted)."""
         src = self.path(key)
+        if _ident(src) != ident:
+            return False  # gone, or replaced by a newer entry: the corrupt file is unlinked
         dst = self.quarantine_dir / f"{key}.{time.time_ns()}.igc"
         try:
             os.replace(src, dst)
-            self._count(quarantined=1)
         except FileNotFoundError:
-            pass
+            return False
         except OSError:
-            self._remove_path(src)
-        return CorruptEntry(f"{key[:12]}: {why}")
+            if _ident(src) == ident:  # as above, with a window of two syscalls
+                self._remove_path(src)
+            return False
+        if _ident(dst) == ident:
+            return True
+        # a writer's rename landed between the check and ours: put its entry back (link never
+        # replaces: if an even newer one is there already, ours is superseded and dropped).
+        # Until then the entry is missing: a reader in that window sees a plain miss
+        try:
+            os.link(dst, src)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            log.warning("disk cache: could not restore %s from %s: %s", src, dst, e)
+            return False  # left in quarantine/: the entry is lost (a miss), never misread
+        self._remove_path(dst)
+        return False
 
     # ---- delete / evict / recover ---------------------------------------------------------------
     def delete(self, key: str) -> bool:
@@ -436,9 +475,15 @@ class _OpenEntry:
     def __init__(self, tier: DiskTier, key: str) -> None:
         self.tier, self.key = tier, key
         self.f: BinaryIO | None = None
+        self.st: os.stat_result | None = None  # fstat of f
 
-    def __enter__(self) -> tuple[BinaryIO, int]:
+    def __enter__(self) -> tuple[BinaryIO, os.stat_result]:
+        """(the open file, its fstat: size and identity)."""
         path = self.tier.path(self.key)
+        try:
+            before = os.lstat(path)  # what a failed open below tried to open, if unchanged
+        except OSError:
+            before = None
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -448,16 +493,16 @@ class _OpenEntry:
             if e.errno in _TRANSIENT:
                 self.tier._count(misses=1)
                 raise DiskBusy(f"{self.key[:12]}: cannot open it now: {e}") from None
-            raise self.tier._corrupt(self.key, f"unreadable: {e}") from None
+            raise self.tier._corrupt(self.key, f"unreadable: {e}", before) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
-            raise self.tier._corrupt(self.key, "not a regular file")
-        self.f = os.fdopen(fd, "rb", buffering=0)
-        return self.f, st.st_size  # type: ignore[return-value]
+            raise self.tier._corrupt(self.key, "not a regular file", st)
+        self.f, self.st = os.fdopen(fd, "rb", buffering=0), st
+        return self.f, st  # type: ignore[return-value]
 
     def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
         assert self.f is not None
         self.f.close()
         if isinstance(exc, OSError):
-            raise self.tier._corrupt(self.key, f"read error: {exc}") from exc
+            raise self.tier._corrupt(self.key, f"read error: {exc}", self.st) from exc
