@@ -11,6 +11,7 @@ cache resident in the loop's GPU memory), mask ratios drawn with mean ~0.19. Not
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import json
 import statistics
@@ -170,27 +171,40 @@ def bench_policy(args, policy: str, loads: dict[float, list[dict]]) -> dict:
     return out
 
 
-def main() -> None:
+#: defaults of the flags that --quick changes: (full run, --quick smoke run)
+SIZES = dict(size=(1024, 64), steps=(20, 3), templates=(2, 1), max_batch=(8, 2), requests=(40, 6),
+             rates=([1.0, 2.0], [2.0]))  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """--quick changes the defaults of the SIZES flags only: a flag given explicitly is kept."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="sdxl-inpaint:full")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--size", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--templates", type=int, default=2)
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--requests", type=int, default=40)
-    p.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0])
+    p.add_argument("--size", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--templates", type=int)
+    p.add_argument("--max-batch", type=int)
+    p.add_argument("--requests", type=int)
+    p.add_argument("--rates", type=float, nargs="+")
     p.add_argument("--policies", nargs="+",
                    default=["continuous", "static", "naive-continuous"])  # fmt: skip
     p.add_argument("--model-stages", default="loop", choices=["loop", "process"])
     p.add_argument("--output-format", default="png", choices=["png", "jpeg", "webp"],
                    help="the API's default is png (CPU-heavy to encode at 1024²)")  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="CPU smoke run")
+    p.add_argument("--quick", action="store_true",
+                   help="CPU smoke run: smaller defaults for " + ", ".join(
+                       "--" + k.replace("_", "-") for k in SIZES))  # fmt: skip
     p.add_argument("--out", default=None)
-    args = p.parse_args()
-    if args.quick:
-        args.size, args.steps, args.requests, args.rates, args.max_batch = 64, 3, 6, [2.0], 2
-        args.templates = 1
+    args = p.parse_args(argv)
+    for k, (full, quick) in SIZES.items():
+        if getattr(args, k) is None:  # not given (None is no valid value of these flags)
+            setattr(args, k, copy.copy(quick if args.quick else full))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     loads = {r: workload(args.requests, r, args.size, args.templates, seed=7) for r in args.rates}
     report = {"args": {k: v for k, v in vars(args).items()}, "policies": []}
     try:
