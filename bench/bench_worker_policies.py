@@ -2,7 +2,8 @@
 
 One worker (real processes: supervisor, denoise loop, pre, post) per policy, in turn; the same
 arrival times and masks for every policy. Edits reference registered templates (masked path, the
-cache resident in the loop's GPU memory), mask ratios drawn with mean ~0.19. Not a test.
+cache resident in the loop's GPU memory), mask ratios drawn with mean ~0.19. Not a test. (This
+drives one worker directly; `instgenie loadtest` drives a whole server over its REST API.)
 
     python bench/bench_worker_policies.py --model sdxl-inpaint:full --rates 1.0 2.0 --out X.json
     python bench/bench_worker_policies.py --model sd2-inpaint:tiny --device cpu --quick  # smoke
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import io
 import json
 import statistics
 import sys
@@ -21,42 +21,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from instgenie.config import Config, ModelConfig, WorkerConfig  # noqa: E402
+from instgenie.loadtest.workload import rect_mask, template_image  # noqa: E402
 from instgenie.messages import RegisterTemplate  # noqa: E402
 from instgenie.worker.client import EditHandle, WorkerError, start_worker  # noqa: E402
-
-GRANULE = 32  # px: SDXL/SD2's coarsest transformer grid (latent /8, then /4); Flux: 16
-
-
-def _png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def template_image(size: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:size, 0:size] / size
-    arr = np.stack([x, y, 0.5 + 0.5 * np.sin((6 + seed) * (x + y))], -1) * 200
-    arr += rng.normal(0, 10, arr.shape)
-    return _png(Image.fromarray(arr.clip(0, 255).astype("uint8"), "RGB"))
-
-
-def random_mask(size: int, ratio: float, rng: np.random.Generator) -> bytes:
-    """A rectangle (white = edit) of about `ratio` of the image at a random place, on the grid."""
-    g = size // GRANULE
-    cells = max(1, round(ratio * g * g))
-    w = int(np.clip(round(np.sqrt(cells) * rng.uniform(0.6, 1.6)), 1, g))
-    h = int(np.clip(round(cells / w), 1, g))
-    x0, y0 = rng.integers(0, g - w + 1), rng.integers(0, g - h + 1)
-    m = Image.new("L", (size, size), 0)
-    box = [x0 * GRANULE, y0 * GRANULE, (x0 + w) * GRANULE - 1, (y0 + h) * GRANULE - 1]
-    ImageDraw.Draw(m).rectangle(box, fill=255)
-    return _png(m)
 
 
 def workload(n: int, rate: float, size: int, templates: int, seed: int) -> list[dict]:
@@ -65,7 +36,7 @@ def workload(n: int, rate: float, size: int, templates: int, seed: int) -> list[
     t = np.cumsum(rng.exponential(1.0 / rate, n))
     return [
         dict(at=float(t[i]), template=int(rng.integers(templates)),
-             mask=random_mask(size, float(rng.uniform(0.08, 0.30)), rng), seed=int(i))
+             mask=rect_mask(size, size, float(rng.uniform(0.08, 0.30)), rng)[0], seed=int(i))
         for i in range(n)
     ]  # fmt: skip
 

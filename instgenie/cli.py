@@ -1,4 +1,4 @@
-"""Command line: `instgenie edit | bench-step | profile | worker | serve | client`."""
+"""Command line: `instgenie edit | bench-step | profile | worker | serve | client | loadtest`."""
 
 from __future__ import annotations
 
@@ -325,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     from instgenie.server.commands import add_commands  # serve, client (light imports)
 
     add_commands(sub)
+    from instgenie.loadtest.command import add_loadtest_parser  # (light: no torch)
+
+    add_loadtest_parser(sub)
     return parser
 
 

@@ -1,0 +1,85 @@
+"""Statistics of one phase: throughput, latency percentiles, SLO attainment, errors by code.
+
+Denominators are stated because they decide what a number means:
+- latency percentiles are over ok requests only (client side: sent -> answered, ms);
+- `slo_attainment` is over every arrival: a failed or unsent request misses the SLO;
+- throughput and goodput are ok answers (within the SLO, for goodput) per second of the phase's
+  wall time (its start to its last answer).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+
+import numpy as np
+
+from instgenie.loadtest.driver import OK, Outcome
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+def _dist(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    out = {f"p{q}": float(np.percentile(values, q)) for q in PERCENTILES}
+    out.update(n=len(values), mean=statistics.fmean(values), max=max(values))
+    return out
+
+
+def _timing(ok: list[Outcome], name: str) -> list[float]:
+    return [float(o.answer["timings"][name]) for o in ok if name in (o.answer["timings"] or {})]
+
+
+def summarize(outcomes: list[Outcome], wall_s: float, slo_ms: float | None) -> dict:
+    ok = [o for o in outcomes if o.code == OK]
+    lat = [o.latency_ms for o in ok]
+    sent = [o for o in outcomes if o.sent_s is not None]
+    n = len(outcomes)
+    last_arrival = max((o.scheduled_s for o in outcomes), default=0.0)
+    out: dict = {
+        "requests": n,
+        "sent": len(sent),
+        "ok": len(ok),
+        "errors": dict(collections.Counter(o.code for o in outcomes if o.code != OK)),
+        "error_status": dict(collections.Counter(str(o.status) for o in sent if o.code != OK)),
+        "wall_s": wall_s,
+        "offered_rps": n / last_arrival if last_arrival > 0 else None,
+        "throughput_rps": len(ok) / wall_s if wall_s > 0 else None,
+        "latency_ms": _dist(lat),
+        "send_lag_ms": _dist([1e3 * (o.sent_s - o.scheduled_s) for o in sent]),
+        "server_queue_ms": _dist(_timing(ok, "server_queue_ms")),
+        "worker_queue_ms": _dist(_timing(ok, "queue_ms")),
+        "denoise_ms": _dist(_timing(ok, "denoise_ms")),
+        "paths": dict(collections.Counter(o.answer.get("path") for o in ok)),
+        "cache_tiers": dict(collections.Counter(str(o.answer.get("cache_tier")) for o in ok)),
+        "mask_ratio_requested_mean": (
+            statistics.fmean(o.mask_ratio_requested for o in outcomes) if outcomes else None
+        ),
+        "mask_ratio_served_mean": (
+            statistics.fmean(float(o.answer["mask_ratio"]) for o in ok) if ok else None
+        ),
+    }
+    if slo_ms is not None:
+        within = sum(1 for v in lat if v <= slo_ms)
+        out["slo_ms"] = slo_ms
+        out["slo_attainment"] = within / n if n else None
+        out["goodput_rps"] = within / wall_s if wall_s > 0 else None
+    return out
+
+
+def one_line(label: str, s: dict) -> str:
+    """A human summary of one phase (stderr)."""
+    lat = s["latency_ms"]
+    parts = [f"{label}: {s['ok']}/{s['requests']} ok"]
+    if s["throughput_rps"] is not None:
+        parts.append(f"{s['throughput_rps']:.2f} req/s")
+    if lat["n"]:
+        parts.append(
+            f"latency p50 {lat['p50']:.0f} / p95 {lat['p95']:.0f} / p99 {lat['p99']:.0f} ms"
+        )
+    if "slo_attainment" in s and s["slo_attainment"] is not None:
+        parts.append(f"SLO {s['slo_ms']:g} ms met by {100 * s['slo_attainment']:.1f}%")
+    if s["errors"]:
+        parts.append("errors " + ", ".join(f"{k} x{v}" for k, v in sorted(s["errors"].items())))
+    return "; ".join(parts)

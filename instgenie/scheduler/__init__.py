@@ -1,1 +1,0 @@
-"""Request routing across GPU workers: latency cost models, routing policies, worker state."""
