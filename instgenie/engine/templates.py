@@ -42,6 +42,15 @@ class TemplateRecord:
     width: int
 
 
+def scheduler_fields(config: dict) -> dict:
+    """The scheduler config as it enters a template key: every field except diffusers'
+    `_use_default_values`, which lists the fields that took their defaults as list(set(...)) —
+    its order follows the process's hash seed, so each process (pre processes, restarted ones,
+    other workers of the host) would key the same template differently. It changes nothing the
+    scheduler does; the fields it names are in the config with their values."""
+    return {k: v for k, v in dict(config).items() if k != "_use_default_values"}
+
+
 def template_key(
     model: str,
     scheduler_config: dict,
@@ -60,7 +69,7 @@ def template_key(
         model=model,
         height=height,
         width=width,
-        scheduler=json.dumps(dict(scheduler_config), sort_keys=True, default=str),
+        scheduler=json.dumps(scheduler_fields(scheduler_config), sort_keys=True, default=str),
         num_steps=num_steps,
         strength=float(spec.strength),
         cfg=cfg,
