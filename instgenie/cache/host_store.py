@@ -177,12 +177,18 @@ class _HostHandle:
 
 
 class _StreamingWriter:
-    """Holds step 0 until the layout is known, then streams into a DRAM segment."""
+    """Holds step 0 until the layout is known, then streams into a DRAM segment.
+
+    Another process of the host (another worker, or a restarted loop) may start capturing the
+    same key between this writer's creation and the end of its step 0, when the DRAM entry is
+    reserved: then this writer has `lost` the race and records nothing (every call is a no-op);
+    the capture run is not failed, and its loop waits for the other capture instead."""
 
     def __init__(self, store: HostActivationStore, key: str, meta: TemplateMeta) -> None:
         self.store, self.key, self.meta = store, key, meta
         self._pending: dict[int, torch.Tensor] = {}
         self._writer = None
+        self.lost = False  # another process reserved the key first
 
     def _layout(self, latents: torch.Tensor) -> TemplateLayout:
         first = next(iter(self._pending.values()))
@@ -203,6 +209,8 @@ class _StreamingWriter:
         self._writer.put_block(step, block_id, value)
 
     def put_block(self, step: int, block_id: int, y: torch.Tensor) -> None:
+        if self.lost:
+            return
         if self._writer is None:
             if step != 0:
                 raise RuntimeError("capture must start at step 0")
@@ -212,9 +220,16 @@ class _StreamingWriter:
         self._put(step, block_id, y)
 
     def put_latents(self, step: int, latents: torch.Tensor) -> None:
+        if self.lost:
+            return
         if self._writer is None:
             layout = self._layout(latents)
-            self._writer = self.store.tiered.writer(self.key, layout)
+            try:
+                self._writer = self.store.tiered.writer(self.key, layout)
+            except ValueError:  # building or ready in some tier: another process was first
+                self.lost = True
+                self._pending.clear()
+                return
             for b in sorted(self._pending):
                 self._put(0, b, self._pending[b])
             self._pending.clear()
@@ -223,6 +238,8 @@ class _StreamingWriter:
         self._writer.put_latents(step, latents)
 
     def commit(self) -> None:
+        if self.lost:
+            return
         if self._writer is None:
             raise RuntimeError("incomplete capture: no step finished")
         # meta first: once the entry is ready (to every process of the host), its meta exists

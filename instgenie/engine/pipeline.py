@@ -325,10 +325,14 @@ class EditPipeline:
         """Finish a request's cache use: commit its capture, close its cache handle. Called when
         it completes; call it for a request dropped before completion (its capture aborts)."""
         if state.writer is not None:
-            if state.is_done:
+            # a capture whose latents went non-finite is never committed: a ready entry would
+            # serve NaN rows to every edit of the template (and outlive it on disk)
+            if state.is_done and bool(torch.isfinite(state.latents).all()):
                 state.writer.commit()
             else:
                 state.writer.abort()
+            if getattr(state.writer, "lost", False):  # another process captures this key
+                state.extras["capture_lost_race"] = True
             state.writer = None
         if state.cache_handle is not None:
             state.cache_handle.close()

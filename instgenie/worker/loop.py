@@ -54,6 +54,9 @@ from instgenie.worker.codec import from_parts, inputs_from_parts, to_parts
 from instgenie.worker.policies import get_policy
 from instgenie.worker.stages import Stages, capture_uid, failure
 
+#: how often, ms, a loop checks on captures another process of the host is running
+AWAIT_POLL_MS = 100
+
 
 class Loop:
     def __init__(self, rt: ChildRuntime, pipe: EditPipeline, inline: Stages | None) -> None:
@@ -76,6 +79,10 @@ class Loop:
         self.template_keys: dict[str, str] = {}
         #: cache keys of dropped templates still referenced by running edits; deleted on retire
         self.drops: set[str] = set()
+        #: captures another process of the host is running (shared cache_root): cache key ->
+        #: (template id, this loop's capture run to start if that one fails, or None)
+        self.awaiting: dict[str, tuple[str, RequestState | None]] = {}
+        self.awaiting_polled = 0.0  # monotonic time of the last poll_awaiting
 
     def run(self) -> None:
         while True:
@@ -84,6 +91,7 @@ class Loop:
                 return
             faults.stall(self.batcher.running)
             faults.hold(self.batcher.running)
+            self.poll_awaiting()
             retired = self.batcher.iterate()
             self.log_steps()  # first: it records join times that retire() reads
             self.retire(retired)
@@ -92,7 +100,8 @@ class Loop:
     # ---- receive --------------------------------------------------------------------------------
     def receive(self) -> None:
         """Handle every waiting message; block for the first only when holding no request."""
-        msg = self.rt.recv(None if self.batcher.idle and self.stop is None else 0)
+        block = self.batcher.idle and self.stop is None
+        msg = self.rt.recv(0 if not block else AWAIT_POLL_MS if self.awaiting else None)
         while msg is not None:
             self.handle(msg)
             msg = self.rt.recv(0)
@@ -170,6 +179,10 @@ class Loop:
         if key is not None:
             template = state.extras["template_id"]
             status = self.pipe.store.status(key)
+            if status == "building":  # another process of the host captures it: wait for it
+                self.template_keys[template] = key
+                self.awaiting[key] = (template, state)
+                return
             if status != "absent":
                 self.template_ready(template, key, "" if status == "ready" else status)
                 return
@@ -199,6 +212,9 @@ class Loop:
             if "capture_key" in s.extras:
                 key = s.extras["capture_key"]
                 status = self.pipe.store.status(key)
+                if r.error is None and s.extras.get("capture_lost_race") and status == "building":
+                    self.awaiting[key] = (s.extras["template_id"], None)
+                    continue
                 why = r.error[1] if r.error else "" if status == "ready" else "not committed"
                 self.template_ready(s.extras["template_id"], key, why)
             elif r.error is not None:
@@ -216,6 +232,28 @@ class Loop:
                 self._delete(key)
 
     # ---- template caches ------------------------------------------------------------------------
+    def poll_awaiting(self, force: bool = False) -> None:
+        """Settle captures another process was running: ready -> answered ok; gone (that
+        capture failed or its process died) -> this loop's own capture run starts, or, when
+        it has none (it lost the race mid-run), the build fails and may be retried."""
+        now = time.monotonic()
+        if not self.awaiting or (not force and now - self.awaiting_polled < AWAIT_POLL_MS / 1e3):
+            return
+        self.awaiting_polled = now
+        for key, (template, state) in list(self.awaiting.items()):
+            status = self.pipe.store.status(key)
+            if status == "building":
+                continue
+            del self.awaiting[key]
+            if status == "ready":
+                if state is not None:
+                    self.pipe.release(state)
+                self.template_ready(template, key, "")
+            elif state is not None:
+                self.admit(state)  # absent: capture it here
+            else:
+                self.template_ready(template, key, "the capture by another worker failed")
+
     def template_ready(self, template_id: str, key: str, why: str) -> None:
         """TemplateReady for a capture (why == "": ok) with the cache's bytes per tier."""
         tiers = {}
@@ -231,6 +269,9 @@ class Loop:
         key = self.template_keys.pop(template_id, None)
         if self.inline is not None:
             key = self.inline.drop(template_id) or key
+        waited = self.awaiting.pop(key, None) if key is not None else None
+        if waited is not None and waited[1] is not None:
+            self.pipe.release(waited[1])
         self.batcher.abort(capture_uid(template_id))
         if key is not None and key not in self.template_keys.values():
             self._delete(key)
