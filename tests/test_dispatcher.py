@@ -185,3 +185,39 @@ def test_a_queue_timeout_is_counted_and_the_queue_gauge_returns_to_zero() -> Non
         rt.health._executor.shutdown()
 
     asyncio.run(main())
+
+
+def _pool_of_two():
+    """Two fake workers; the test sets what each one's last stats answer said."""
+    slots = []
+    for i in range(2):
+        slot = WorkerSlot(i, Config(), 8, state="up")
+        proc = SimpleNamespace(poll=lambda: None)
+        slot.handle = SimpleNamespace(proc=proc, client=FakeClient(), pid=1, address=f"ipc://{i}")
+        slots.append(slot)
+    return Dispatcher(SimpleNamespace(slots=slots), LeastLoaded(), ServerConfig()), slots
+
+
+def test_routing_avoids_a_worker_that_cannot_make_progress() -> None:
+    """Worker 0's loop is restarting (its requests just failed: in_flight 0), worker 1 is
+    healthy and busy: new requests go to worker 1 (before: all to worker 0, by load). Once
+    worker 0 is healthy again it gets them; with no healthy worker, any live one does."""
+
+    async def scenario() -> None:
+        d, (w0, w1) = _pool_of_two()
+        now = time.monotonic()
+        w0.observe({"ready": 0.0, "in_loop": 0.0}, now)  # (re)starting its processes
+        w1.observe({"ready": 1.0, "in_loop": 3.0, "steps_total": 10.0}, now)
+        assert [d.admit(ROUTE).slot.index for _ in range(5)] == [1] * 5
+        w0.observe({"ready": 1.0, "in_loop": 0.0, "steps_total": 0.0}, now)
+        assert d.admit(ROUTE).slot.index == 0
+        # a stalled loop: it holds requests and its step counter has not moved for stall_s
+        w0.observe({"ready": 1.0, "in_loop": 1.0, "steps_total": 5.0}, now)
+        w0.steps_moved_at = now - 2 * d.cfg.stall_s
+        w1.pending.clear()
+        assert d.admit(ROUTE).slot.index == 1
+        w1.observe({"ready": 0.0}, now)  # both unhealthy: the least loaded live worker
+        w0.pending.clear()
+        assert d.admit(ROUTE).slot.index == 0
+
+    asyncio.run(scenario())

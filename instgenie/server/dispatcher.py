@@ -105,7 +105,14 @@ class Dispatcher:
 
     def _route(self, route: RouteRequest) -> WorkerSlot | None:
         live = [s for s in self.pool.slots if s.accepting]
-        index = self.policy.choose(route, [s.view() for s in live])
+        # A worker that cannot make progress now (its loop child restarting and reloading the
+        # model, a stalled loop, silent) gets requests only while no worker can: its in-flight
+        # count just dropped (its requests failed), so by load alone it would be chosen first.
+        # Queued here instead, a request goes to the first healthy worker with room.
+        now = time.monotonic()
+        cfg = self.cfg
+        healthy = [s for s in live if s.health(now, cfg.health_timeout_s, cfg.stall_s)[0]]
+        index = self.policy.choose(route, [s.view() for s in healthy or live])
         return self.pool.slots[index] if index is not None else None
 
     def _reserve(self, ticket: Ticket, slot: WorkerSlot) -> None:
