@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from instgenie.cache.profiler import LinearFit, Profile
+from instgenie.cache.profiler import LinearFit, Profile, check_profile
 from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
@@ -100,3 +100,15 @@ def test_mixed_plan_loads_only_some_blocks() -> None:
     assert 0 < len(plan) < costs.num_blocks, costs.load[:3]
     best = pipe.cost_model.last_plan
     assert best.latency_ms < min(best.all_cache_ms, best.all_full_ms)
+
+
+def test_a_profile_of_another_model_is_refused() -> None:
+    """Before, a worker took any profile: with more blocks it planned from another model's
+    fits, with fewer every step that read a cache failed (KeyError) with its whole batch."""
+    check_profile(Profile.load_file(PROFILE), _family())  # its own model: accepted
+    sd2 = load_family("sd2-inpaint:tiny")
+    with pytest.raises(ValueError, match=r"fitted for sdxl-inpaint:tiny .*not for this model"):
+        check_profile(Profile.load_file(PROFILE), sd2)
+    flux = Profile.load_file(PROFILE.parent / "flux-fill-full-h200.json")  # 57 blocks
+    with pytest.raises(ValueError, match=r"flux-fill:full \(57 blocks\).*another class"):
+        check_profile(flux, _family())

@@ -103,6 +103,30 @@ class Profile:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
+def family_block_dims(fam) -> dict[int, BlockDims]:  # noqa: ANN001 - a loaded model family
+    """Block id -> dimensions of every transformer block the masked executor runs."""
+    return {b.block_id: block_dims(fam.backbone.get_submodule(b.name), b.block_id, b.kind)
+            for b in fam.masked.blocks}  # fmt: skip
+
+
+def check_profile(profile: Profile, fam, path: str = "profile") -> None:  # noqa: ANN001
+    """ValueError unless `profile` was fitted for this model's blocks (same ids, same classes):
+    a profile of another model plans with the wrong fits, or fails every step that reads a
+    cache on a block it does not know. The model name may differ (a profile fitted on the
+    random-weight `FAMILY:full` serves a local directory of the same architecture)."""
+    want = {b: block_class(d) for b, d in family_block_dims(fam).items()}
+    if profile.blocks != want:
+        missing = sorted(set(want) - set(profile.blocks))
+        wrong = sorted(b for b in want if b in profile.blocks and profile.blocks[b] != want[b])
+        raise ValueError(
+            f"{path} was fitted for {profile.model} ({len(profile.blocks)} blocks), not for this "
+            f"model ({len(want)} blocks): "
+            + (f"blocks {missing[:5]} missing; " if missing else "")
+            + (f"blocks {wrong[:5]} of another class; " if wrong else "")
+            + "fit one with `instgenie profile` for this model"
+        )
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -115,8 +139,7 @@ def profile_compute(pipe, size: int, batches, ratios, warmup: int, iters: int, l
 
     fam = pipe.family
     ex = fam.masked
-    dims = {b.block_id: block_dims(fam.backbone.get_submodule(b.name), b.block_id, b.kind)
-            for b in ex.blocks}  # fmt: skip
+    dims = family_block_dims(fam)
     bench = StepBench.setup(pipe, size)
     shapes = pipe.store.meta(bench.template_key).block_shapes
     samples: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))

@@ -163,7 +163,7 @@ class ChildRuntime:
     def pipeline(self, parts: str, device: str, *, store: bool = True):
         """The role's EditPipeline: only `parts` of the model are materialised; `store`: use the
         worker's activation store (else an empty in-memory one)."""
-        from instgenie.cache.profiler import Profile
+        from instgenie.cache.profiler import Profile, check_profile
         from instgenie.engine.family import load_family
         from instgenie.engine.pipeline import EditPipeline
 
@@ -172,6 +172,8 @@ class ChildRuntime:
         profile = Profile.load_file(self.wcfg.profile) if self.wcfg.profile else None
         if profile is not None and parts == "stages":
             profile = None  # the planner is the loop's business
+        if profile is not None:
+            check_profile(profile, family, f"profile {self.wcfg.profile}")
         cache = make_store(self.config) if store else None
         if cache is not None:
             self._closers.append(cache.tiered.close)
