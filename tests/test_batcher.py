@@ -104,3 +104,24 @@ def test_batch_holds_one_resolution() -> None:
 def test_unknown_policy() -> None:
     with pytest.raises(ValueError, match="unknown batching policy"):
         get_policy("eager")
+
+
+def test_a_request_of_another_resolution_is_not_starved() -> None:
+    """A steady stream of 128² requests keeps the batch busy; a 64² request queued among them
+    runs once the batch holding the earlier ones drains (before: the later 128² requests kept
+    joining ahead of it, for as long as they kept coming)."""
+    pipe = _pipe()
+    b = Batcher(pipe, get_policy("continuous"), max_batch=2)
+    b.submit(_state(pipe, "a0", steps=2))
+    b.iterate()
+    b.submit(_state(pipe, "small", steps=2, size=64))
+    ran_small_at = None
+    for i in range(1, 12):
+        b.submit(_state(pipe, f"a{i}", steps=2))  # one more 128² request every step
+        b.iterate()
+        members = [u for u, _ in b.records[-1].members]
+        if "small" in members:
+            ran_small_at = len(b.records)
+            assert members == ["small"]
+            break
+    assert ran_small_at is not None and ran_small_at <= 4, ran_small_at

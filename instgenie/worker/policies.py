@@ -6,8 +6,11 @@
 - naive-continuous: continuous, but pre/post-processing run inside the loop process, between
   steps (the strawman of paper Fig. 10, top).
 
-A batch holds requests of one batch key only (equal latent shape and text length): a waiting
-request of another resolution waits until the running batch drains.
+A batch holds requests of one batch key only (equal latent shape and text length). Admission is
+FIFO across keys: the first waiting request of another key stops admission, so the running
+batch drains (within its members' remaining steps) and that request runs next. (Admitting the
+same-key requests queued behind it instead let a steady same-resolution stream starve it until
+its timeout.)
 """
 
 from __future__ import annotations
@@ -29,19 +32,16 @@ class Policy:
     def admit(
         self, running: list[RequestState], waiting: deque[RequestState], max_batch: int
     ) -> list[RequestState]:
-        """Pop and return the waiting requests that join before the next step (FIFO within
-        the running batch's key)."""
+        """Pop and return the waiting requests that join before the next step: the head of the
+        queue while it has the running batch's key (FIFO)."""
         if self.static and running:
             return []
         key = running[0].batch_key if running else (waiting[0].batch_key if waiting else None)
         joined: list[RequestState] = []
-        kept: deque[RequestState] = deque()
         while waiting and len(running) + len(joined) < max_batch:
-            s = waiting.popleft()
-            (joined if s.batch_key == key else kept).append(s)
-        kept.extend(waiting)
-        waiting.clear()
-        waiting.extend(kept)
+            if waiting[0].batch_key != key:
+                break  # FIFO across keys: it runs once this batch drains
+            joined.append(waiting.popleft())
         return joined
 
 
