@@ -39,6 +39,9 @@ from typing import Any, BinaryIO
 
 from instgenie.cache.layout import Buffer, TemplateLayout, align_up, as_uint8
 
+# the miss types and key check live in misses.py; imported here for the tiers' users
+from instgenie.cache.misses import _KEY, _TRANSIENT, CacheMiss, CorruptEntry, DiskBusy, check_key  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"IGCACHE\x00"
@@ -47,38 +50,11 @@ PREAMBLE = struct.Struct("<8sIII4x")
 FILE_ALIGN = 4096
 MAX_HEADER_BYTES = 16 << 20
 DEFAULT_CHUNK_BYTES = 64 << 20
-_KEY = re.compile(r"[0-9a-f]{64}")
 _TMP = re.compile(r"\.([0-9a-f]{64})\.(\d+)\.[0-9a-f]{32}\.tmp")
 _HEADER_KEYS = {"chunk_bytes", "crc32", "data_bytes", "layout"}
 #: temp files this process is writing now (any DiskTier instance): not debris
 _WRITING: set[str] = set()
 _WRITING_LOCK = threading.Lock()
-
-
-class CacheMiss(Exception):
-    """The entry is not available: the caller recomputes it."""
-
-
-class CorruptEntry(CacheMiss):
-    """The entry failed verification (or could not be read) and was quarantined."""
-
-
-class DiskBusy(CacheMiss):
-    """The entry could not be opened now (the process is out of file descriptors or memory):
-    a miss for this request, the entry itself is kept."""
-
-
-#: open() errors that say nothing about the file: never a reason to quarantine it
-_TRANSIENT = frozenset(
-    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOBUFS}
-)
-
-
-def check_key(key: Any) -> str:
-    """Keys are sha256 hex digests; anything else (paths, NUL, unicode, ...) is refused."""
-    if not isinstance(key, str) or not _KEY.fullmatch(key):
-        raise ValueError(f"cache key must be 64 lowercase hex characters, got {key!r:.80}")
-    return key
 
 
 def _ident(p: Path) -> tuple[int, int] | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from instgenie.cache.disk import CacheMiss, check_key
-from instgenie.cache.dram import pin, unpin
+from instgenie.cache.hostmem import pin, unpin
 from instgenie.cache.index import EntryInUse
 from instgenie.cache.layout import TemplateLayout
 from instgenie.cache.quant import FP8, QuantizedRows, quantize_rows
