@@ -272,3 +272,40 @@ def test_step_copy_compiled(dtype: torch.dtype) -> None:
                 out = copy_step(src, step, torch.empty(src.shape[1:], device="cuda", dtype=dtype))
                 want = copy_step_reference(src, step, torch.empty_like(out))
                 assert torch.equal(out, want)
+
+
+_SECOND_GPU = """
+import torch
+from instgenie.engine.pipeline import EditPipeline
+from instgenie.engine.request import EditRequest
+from instgenie.engine.templates import TemplateSpec
+from tests.conftest import make_image, make_mask, png_bytes
+
+pipe = EditPipeline.load("{family}:tiny", device="cuda:1", dtype="fp32")
+assert torch.cuda.current_device() == 1, torch.cuda.current_device()
+img, mask = png_bytes(make_image(128, 128, seed=1)), png_bytes(make_mask(128, 128))
+key = pipe.build_template(TemplateSpec(image=img, num_inference_steps=2))
+s = pipe.preprocess(EditRequest(uid="m", image=None, template_id=key, mask=mask, prompt="a hat",
+                                seed=3, num_inference_steps=2))
+while not s.is_done:
+    pipe.denoise_step([s])
+assert s.path == "masked" and s.latents.device == torch.device("cuda:1")
+assert bool(torch.isfinite(s.latents).all())
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
+def test_a_pipeline_on_the_second_gpu_runs_its_triton_kernels(family: str) -> None:
+    """A fresh process (current device cuda:0) serving cuda:1, as a server's second worker
+    does: before, every step that ran a Triton kernel failed ("Pointer argument cannot be
+    accessed from Triton"), since Triton launches on the current device."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _SECOND_GPU.format(family=family)], cwd=root,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

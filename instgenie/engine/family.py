@@ -68,6 +68,11 @@ class ModelFamily(Protocol):
     granule: int
     #: the native resolution (square side, pixels)
     default_size: int
+    #: pixels per token side at the first transformer grid; a block of level k has tokens
+    #: token_stride * 2**k pixels on a side (engine.masked.hooks.BlockInfo.level)
+    token_stride: int
+    #: prompt tokens per conditioning row
+    text_len: int
     #: the diffusers pipeline object whose modules and helpers the adapter uses
     pipe: Any
     #: the denoising backbone (UNet or transformer) and its masked-execution binding
@@ -164,6 +169,11 @@ def load_family(
     only); see AdapterBase.load."""
     spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(spec)
     cls = _registry()[spec.family]
+    if device.startswith("cuda") and torch.device(device).index is not None:
+        # Triton launches on the *current* CUDA device and refuses pointers of another one
+        # ("cannot be accessed from Triton"): a process serves one device, make it current
+        # (a worker on cuda:1 otherwise failed every step that ran a Triton kernel)
+        torch.cuda.set_device(torch.device(device))
     if device.startswith("cuda") and env.cudnn_benchmark():
         # shapes repeat every step: let cuDNN time its convolution algorithms once per shape
         torch.backends.cudnn.benchmark = True
