@@ -25,7 +25,7 @@ import msgpack
 
 from instgenie.errors import InstGenIEError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_MESSAGE_BYTES = 64 << 20  # default cap on one encoded message, bytes (tensors go via shm)
 MAX_DEPTH = 32  # nesting limit of `Any` values
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry
@@ -228,6 +228,43 @@ class StepEntry(Nested):  # one iteration of the denoise loop (loop)
     policy: str  # batching policy name, e.g. "continuous"
 
 
+@dataclass(slots=True, frozen=True, kw_only=True)
+class CostFit(Nested):  # latency_ms = max(0, slope * x + intercept) (cache.profiler.LinearFit)
+    slope: float  # ms per FLOP (compute) or per byte (load)
+    intercept: float  # ms
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class CostBlock(Nested):  # one hooked transformer block, as the router prices it (loop)
+    block_id: int  # execution order, 0-based
+    kind: str  # "unet" | "flux_dual" | "flux_single" (cache.costs.BlockDims)
+    channels: int  # hidden width C
+    ff_macs: int  # feed-forward multiply-adds per token
+    context_dim: int  # cross-attention context width, 0 if none
+    mlp: int  # Flux single block MLP width, 0 otherwise
+    stride: int  # pixels per token side: the block's token grid is (H / stride, W / stride)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class CostSpec(Nested):  # what the router needs to price a worker's batch (loop, at ready)
+    model: str  # model id
+    granule: int  # working sizes are multiples of this, pixels
+    text_len: int  # prompt tokens per row
+    cfg: bool  # a request with guidance > 1 runs two rows (classifier-free guidance)
+    default_guidance: float  # guidance of a request that gives none
+    default_steps: int  # steps of a request that gives none
+    cache_dtype: str  # dtype of cached rows, e.g. "float16"
+    blocks: list[CostBlock]  # in execution order
+    #: fitted latency models (instgenie profile): "<block class>/<mode>" -> fit of ms against
+    #: FLOPs, mode "cached" | "full"; empty: no profile, the router prices in FLOPs
+    compute: dict[str, CostFit] = field(default_factory=dict)
+    load: dict[str, CostFit] = field(default_factory=dict)  # tier -> fit of ms against bytes
+    #: the step outside its transformer blocks: fit of ms against batch rows * pixels; None:
+    #: not in the profile (or no profile)
+    other: CostFit | None = None
+    profile: str = ""  # the profile file's path, "" if none
+
+
 # ---- client -> worker (client fills every field; types are checked here, values by pre) -------
 @dataclass(slots=True, frozen=True, kw_only=True)
 class SubmitEdit(ClientToWorker):  # one edit request
@@ -279,6 +316,8 @@ class Shutdown(ClientToWorker):  # stop the worker; new requests are refused at 
 @dataclass(slots=True, frozen=True, kw_only=True)
 class GetStats(ClientToWorker):
     """Ask for a Stats reply."""
+
+    cost: bool = False  # include the loop's CostSpec (Stats.cost)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -343,6 +382,7 @@ class TemplateReady(WorkerToClient):  # outcome of RegisterTemplate (sup)
 @dataclass(slots=True, frozen=True, kw_only=True)
 class Stats(WorkerToClient):  # reply to GetStats (sup)
     counters: dict[str, float]  # counters and gauges; units in the name (*_ms, *_bytes)
+    cost: CostSpec | None = None  # when GetStats.cost and the loop has reported it
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -402,6 +442,7 @@ class ChildReady(Internal):  # a pre/loop/post process loaded its model parts (c
     index: int  # which one of its role, 0-based
     pid: int  # child pid
     codec: bool  # this process may decode/encode images (False: the loop, except naive)
+    cost: CostSpec | None = None  # the loop's: how the router prices its batches
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

@@ -112,3 +112,26 @@ def test_a_profile_of_another_model_is_refused() -> None:
     flux = Profile.load_file(PROFILE.parent / "flux-fill-full-h200.json")  # 57 blocks
     with pytest.raises(ValueError, match=r"flux-fill:full \(57 blocks\).*another class"):
         check_profile(flux, _family())
+
+
+def test_profiling_fits_the_rest_of_the_step(tmp_path) -> None:  # noqa: ANN001
+    """The profiler also times each whole step: what it takes beyond its blocks is fitted
+    against batch rows * pixels (the router prices it), and survives the JSON round trip; a
+    profile written before it existed loads without it."""
+    from instgenie.cache.profiler import fit_profile, profile_compute
+
+    pipe = EditPipeline(load_family("sdxl-inpaint:tiny"))
+    size = 2 * pipe.family.granule
+    compute = profile_compute(pipe, size, [1, 2], [0.2, 1.0], warmup=0, iters=1, log=lambda m: None)
+    xs = sorted({x for x, _ in compute["other"]})
+    assert len(compute["other"]) == 2 * 2 * 2  # batches x ratios x (cached, full)
+    assert xs == [2 * size * size, 4 * size * size]  # CFG rows * pixels, batch 1 and 2
+    assert all(ms >= 0 for _, ms in compute["other"])
+    prof = fit_profile("sdxl-inpaint:tiny", torch.device("cpu"), torch.float32, size, compute,
+                       {"dram": [(1 << 20, 0.1), (4 << 20, 0.3)]}, {})  # fmt: skip
+    assert prof.other is not None and prof.other.n == 8
+    again = Profile.from_json(prof.to_json())
+    assert again.other == prof.other and len(again.meta["other_samples"]) == 8
+    old = prof.to_json()
+    del old["other"]
+    assert Profile.from_json(old).other is None

@@ -35,11 +35,13 @@ class FakeClient:
 
     def __init__(self) -> None:
         self.submitted: dict[str, Future] = {}  # uid -> the handle's future, in order
+        self.handles: dict[str, SimpleNamespace] = {}  # uid -> the handle (its progress list)
         self.cancelled: list[str] = []
 
     def submit(self, msg, on_progress=None):
-        handle = SimpleNamespace(uid=msg.uid, future=Future())
+        handle = SimpleNamespace(uid=msg.uid, future=Future(), progress=[])
         self.submitted[msg.uid] = handle.future
+        self.handles[msg.uid] = handle
         return handle
 
     def cancel(self, uid: str) -> None:
@@ -221,3 +223,29 @@ def test_routing_avoids_a_worker_that_cannot_make_progress() -> None:
         assert d.admit(ROUTE).slot.index == 0
 
     asyncio.run(scenario())
+
+
+def test_the_routing_view_carries_each_held_requests_progress() -> None:
+    """The mask-aware policy prices what a worker holds by the steps each request has left:
+    the worker's view lists reserved and sent requests with the steps their Progress reported,
+    and forgets them once answered."""
+
+    async def main() -> None:
+        d, slot, client = _dispatcher(slots=2, timeout_s=5)
+        tickets = [d.admit(ROUTE), d.admit(ROUTE)]
+        assert [r.steps_done for r in slot.view().requests] == [0, 0]  # reserved, not sent
+        runs = [asyncio.create_task(d.run(t, FIELDS)) for t in tickets]
+        while len(client.submitted) < 2:
+            await asyncio.sleep(0.01)
+        first, second = (client.handles[t.uid] for t in tickets)
+        first.progress.extend([1, 2])  # what the client thread appends as Progress arrives
+        second.progress.append(1)
+        assert [r.steps_done for r in slot.view().requests] == [2, 1]
+        first.future.set_result(_done(tickets[0].uid))
+        await asyncio.wait_for(runs[0], HANG_S)
+        assert [r.steps_done for r in slot.view().requests] == [1]
+        second.future.set_result(_done(tickets[1].uid))
+        await asyncio.wait_for(runs[1], HANG_S)
+        assert slot.view().requests == () and slot.routes == {} and slot.progress == {}
+
+    asyncio.run(main())

@@ -23,6 +23,14 @@ STEP = m.StepEntry(
     waited_ms=[2.5], left=[], bytes_loaded=1 << 20, compute_all_blocks=2, policy="continuous",
 )
 # At least one example per registered message type, with non-default values where possible.
+COST = m.CostSpec(
+    model="sdxl-inpaint:tiny", granule=32, text_len=77, cfg=True, default_guidance=7.5,
+    default_steps=20, cache_dtype="float32",
+    blocks=[m.CostBlock(block_id=0, kind="unet", channels=32, ff_macs=10240, context_dim=32,
+                        mlp=0, stride=16)],
+    compute={"unet:32/cached": m.CostFit(slope=2e-12, intercept=0.5)},
+    load={"dram": m.CostFit(slope=1e-8, intercept=0.01)}, profile="profiles/x.json",
+)
 EXAMPLES: list[m.Message] = [
     m.SubmitEdit(
         uid="u1", image=b"\x89PNG...", mask=b"mask", prompt="a red hat", negative_prompt="blur",
@@ -37,6 +45,7 @@ EXAMPLES: list[m.Message] = [
     m.Cancel(uid="u1"),
     m.Shutdown(drain=False),
     m.GetStats(),
+    m.GetStats(cost=True),
     m.GetStepLog(since_step=100),
     m.Accepted(uid="u1", queue_position=3),
     m.Progress(uid="u1", step=4, num_steps=20),
@@ -52,6 +61,7 @@ EXAMPLES: list[m.Message] = [
     ),
     m.DropTemplate(template_id="ef" * 32),
     m.Stats(counters={"requests_total": 10.0, "garbage_frames": 0.0, "p50_ms": 12.5}),
+    m.Stats(counters={}, cost=COST),
     m.StepLog(entries=[STEP, dataclasses.replace(STEP, step=8, members=[])]),
     m.WorkerReady(pid=1234, model="sd2-inpaint:tiny", device="cpu"),
     m.Prepared(
@@ -63,6 +73,7 @@ EXAMPLES: list[m.Message] = [
     m.LoopSteps(entries=[STEP]),
     m.LoopSteps(entries=[], cache={"evictions_dram": 2.0, "bytes_disk": 1e9}),
     m.ChildReady(role="loop", index=0, pid=4321, codec=False),
+    m.ChildReady(role="loop", index=1, pid=4322, codec=False, cost=COST),
     m.BuildTemplate(template_id="ef" * 32),
     m.Abort(uid="u1", reason="cancelled"),
     m.StopProcess(drain=False, reason="shutdown"),
@@ -78,6 +89,8 @@ def _nested_names(obj: Any) -> set[str]:
         return own.union(*(_nested_names(getattr(obj, f.name)) for f in dataclasses.fields(obj)))
     if isinstance(obj, (list, tuple)):
         return set().union(*map(_nested_names, obj))
+    if isinstance(obj, dict):
+        return set().union(*map(_nested_names, obj.values()))
     return set()
 
 
@@ -279,7 +292,12 @@ def test_decode_rejects_non_bytes(data: Any) -> None:
 
 
 def test_size_limits() -> None:
-    big = m.EditDone(**{**dataclasses.asdict(EXAMPLES[9]), "data": b"x" * 5000})
+    big = m.EditDone(
+        **{
+            **dataclasses.asdict(next(e for e in EXAMPLES if isinstance(e, m.EditDone))),
+            "data": b"x" * 5000,
+        }
+    )
     with pytest.raises(MessageError, match="limit"):
         encode(big, max_bytes=4096)
     with pytest.raises(MessageError):

@@ -18,13 +18,15 @@ from tests.test_server_harness import (
     descendants,
     edit_files,
     image_png,
+    mask_png,
     shm_segments,
 )
 
 
 @pytest.fixture(scope="module")
 def srv():
-    server = ServerProcess("--devices", "cpu,cpu", "--max-batch", "2", "--retry-after-s", "5")
+    server = ServerProcess("--devices", "cpu,cpu", "--max-batch", "2", "--retry-after-s", "5",
+                           "--routing", "mask-aware")  # fmt: skip
     yield server
     if server.proc.poll() is None:
         assert server.stop() == 0
@@ -56,9 +58,22 @@ def test_two_workers_share_the_load(srv: ServerProcess) -> None:
     _, health = srv.health()
     assert [w["device"] for w in health["workers"]] == ["cpu", "cpu"]
     assert all(w["healthy"] for w in health["workers"])
+    # each worker reported its CostSpec (no --profile: the router prices its batches in FLOPs)
+    assert [w["cost_model"] for w in health["workers"]] == ["flops", "flops"]
     first, second = _concurrently(lambda: _edit(srv, 4, 1), lambda: _edit(srv, 4, 2))
     assert first.status_code == second.status_code == 200
-    assert {first.json()["worker"], second.json()["worker"]} == {0, 1}  # least-loaded routing
+    # mask-aware routing: the second edit is predicted to finish sooner on the idle worker
+    assert {first.json()["worker"], second.json()["worker"]} == {0, 1}
+    assert first.json()["mask_ratio"] == second.json()["mask_ratio"] == 0.25
+
+
+def test_mask_aware_routing_decodes_masks_in_the_server(srv: ServerProcess) -> None:
+    """The server measures each mask to price it: a mask that does not decode is a typed 422
+    at once, before it takes a worker slot."""
+    files = edit_files(image_png(seed=9), mask_png()[:50])  # a valid header over cut data
+    r = srv.post("/v1/edits", files=files, data={"prompt": "x"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "mask", r.text
+    assert "truncated" in r.json()["error"]["message"]
 
 
 def test_sigterm_drains_then_exits_cleanly(srv: ServerProcess) -> None:

@@ -137,6 +137,11 @@ def test_pixel_cap_and_formats_are_checked_from_headers(srv: ServerProcess) -> N
     # a valid header over truncated data: the worker's decoder refuses it, typed
     r = srv.post("/v1/edits", files=edit_files(image_png(seed=71)[:200]), data={"prompt": "x"})
     assert r.status_code == 422 and r.json()["error"]["field"] == "image", r.text
+    # a truncated mask: refused, typed (by the worker here; by the server under mask-aware
+    # routing, tests/test_server_launcher.py)
+    files = edit_files(image_png(seed=72), mask_png()[:50])
+    r = srv.post("/v1/edits", files=files, data={"prompt": "x"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "mask", r.text
 
 
 def test_exif_rotation_gives_the_displayed_size(srv: ServerProcess) -> None:

@@ -134,6 +134,17 @@ def test_stages_run_in_other_processes(cont) -> None:
     assert done.width == done.height == SIZE  # decoded in pre, encoded in post
 
 
+def test_the_loop_reports_its_cost_spec(cont) -> None:
+    """What the server's mask-aware router prices this worker with: its own model's blocks."""
+    from instgenie.cache.costspec import cost_spec
+
+    handle, _ = cont
+    spec = handle.client.cost_spec()
+    assert spec is not None and spec.model == f"{MODEL}:tiny"
+    assert spec == cost_spec(tiny_pipeline(MODEL))  # no --profile: FLOP prices, no fits
+    assert handle.client.stats() and handle.client.cost_spec() == spec  # plain Stats unaffected
+
+
 def test_output_equals_direct_pipeline(cont) -> None:
     handle, _ = cont
     fields = _fields("exact", 4, seed=7, prompt="a straw hat", output_format="png")

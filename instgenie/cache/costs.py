@@ -4,15 +4,16 @@ by the load planner (per step) and by the profiler (to fit latency against FLOPs
 
 Counting convention: 2 FLOPs per multiply-add, matmuls and attention only (what
 torch.utils.flop_counter counts), so predictions and counted FLOPs agree.
+Importing this module loads neither torch nor diffusers (only `block_dims` does): the API
+server's router (instgenie.server.estimate) prices batches with it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from diffusers.models.attention import BasicTransformerBlock
-from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+#: bytes per element of the cache dtypes (torch.<name>.itemsize), float8 variants excluded
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,10 @@ class BlockDims:
     mlp: int = 0
 
 
-def block_dims(block: torch.nn.Module, block_id: int, kind: str) -> BlockDims:
+def block_dims(block, block_id: int, kind: str) -> BlockDims:  # noqa: ANN001 - a torch module
+    from diffusers.models.attention import BasicTransformerBlock
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
     if kind == "unet":
         assert isinstance(block, BasicTransformerBlock)
         C = block.norm1.normalized_shape[0]
@@ -79,4 +83,4 @@ def cached_bytes(L: int, C: int, rows: int, cache_dtype: str) -> int:
     fp8 adds one float32 scale per token."""
     if cache_dtype.startswith("float8"):
         return rows * L * (C + 4)
-    return rows * L * C * getattr(torch, cache_dtype).itemsize
+    return rows * L * C * ITEMSIZE[cache_dtype]

@@ -5,9 +5,13 @@ Compute: every hooked block is timed (CUDA events on the compute stream) over a 
 ratios and batch sizes, once computing only masked tokens from a GPU-resident cache ("cached")
 and once computing all tokens ("full"). Each block class (kind and width) gets one model per mode:
 latency_ms = slope * FLOPs + intercept, FLOPs from instgenie.cache.costs (paper Table 1 with
-keys/values over all tokens). Load: host -> device copies of growing sizes per tier ("dram" =
-pinned host memory; "disk" = reading a checksummed entry into host memory), latency_ms = slope *
-bytes + intercept. The output JSON holds the fits, their R², and the raw samples.
+keys/values over all tokens). The rest of the step (everything outside the transformer blocks:
+ResNets, norms, the scheduler; what the whole step takes beyond its blocks) gets one model,
+latency_ms = slope * (batch rows * pixels) + intercept ("other"; the router adds it to a batch's
+price, the load planner does not need it). Load: host -> device copies of growing sizes per tier
+("dram" = pinned host memory; "disk" = reading a checksummed entry into host memory),
+latency_ms = slope * bytes + intercept. The output JSON holds the fits, their R², and the raw
+samples.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ class Profile:
     #: block id -> class
     blocks: dict[int, str]
     meta: dict
+    #: the step outside its blocks: fit of ms against batch rows * pixels; None in profiles
+    #: fitted before it was measured
+    other: LinearFit | None = None
 
     def compute_ms(self, block_id: int, mode: str, flops: float) -> float:
         return self.compute[self.blocks[block_id]][mode].predict(flops)
@@ -79,6 +86,7 @@ class Profile:
             "compute": compute,
             "load": {t: asdict(f) for t, f in self.load.items()},
             "blocks": {str(b): c for b, c in self.blocks.items()},
+            "other": asdict(self.other) if self.other is not None else None,
             "meta": self.meta,
         }  # fmt: skip
 
@@ -96,6 +104,7 @@ class Profile:
             load={t: LinearFit(**f) for t, f in data["load"].items()},
             blocks={int(b): c for b, c in data["blocks"].items()},
             meta=data.get("meta", {}),
+            other=LinearFit(**data["other"]) if data.get("other") else None,
         )
 
     @classmethod
@@ -143,6 +152,7 @@ def profile_compute(pipe, size: int, batches, ratios, warmup: int, iters: int, l
     bench = StepBench.setup(pipe, size)
     shapes = pipe.store.meta(bench.template_key).block_shapes
     samples: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    other: list[tuple[float, float]] = []  # (batch rows * pixels, step ms - sum of block ms)
     ex.timer_factory = lambda: BlockTimer(fam.device)
     try:
         for batch in batches:
@@ -151,7 +161,9 @@ def profile_compute(pipe, size: int, batches, ratios, warmup: int, iters: int, l
                 text_len = int(states[0].cond["prompt_embeds"].shape[1])
                 for mode in MODES:
                     ex.compute_all = frozenset() if mode == "cached" else frozenset(dims)
-                    per_block = _time_blocks(pipe, bench, states, warmup, iters)
+                    per_block, step_ms = _time_blocks(pipe, bench, states, warmup, iters)
+                    rows_px = sum(s.num_rows for s in states) * size * size
+                    other.append((rows_px, max(0.0, step_ms - sum(per_block.values()))))
                     for b, ms in per_block.items():
                         L, _ = shapes[b]
                         rows = [
@@ -166,22 +178,30 @@ def profile_compute(pipe, size: int, batches, ratios, warmup: int, iters: int, l
     finally:
         ex.timer_factory, ex.compute_all = None, frozenset()
         pipe.store.delete(bench.template_key)
-    return {"samples": samples, "blocks": {b: block_class(d) for b, d in dims.items()}}
+    blocks = {b: block_class(d) for b, d in dims.items()}
+    return {"samples": samples, "blocks": blocks, "other": other}
 
 
-def _time_blocks(pipe, bench, states, warmup: int, iters: int) -> dict[int, float]:
+def _time_blocks(pipe, bench, states, warmup: int, iters: int) -> tuple[dict[int, float], float]:
+    """({block id: median ms}, median ms of the whole step)."""
     runs: dict[int, list[float]] = defaultdict(list)
+    steps: list[float] = []
     snap = [(s.latents.clone(), s.step_index) for s in states]
+    device = pipe.family.device
     for i in range(warmup + iters):
         for s, (lat, idx) in zip(states, snap, strict=True):
             s.latents, s.step_index = lat.clone(), idx
+        _sync(device)
+        t0 = time.perf_counter()
         pipe.denoise_step(states)
+        _sync(device)
         if i >= warmup:
+            steps.append(1e3 * (time.perf_counter() - t0))
             for b, ms in pipe.family.masked.last_context.timer.results_ms().items():
                 runs[b].append(ms)
     for s, (lat, idx) in zip(states, snap, strict=True):
         s.latents, s.step_index = lat, idx
-    return {b: statistics.median(v) for b, v in runs.items()}
+    return {b: statistics.median(v) for b, v in runs.items()}, statistics.median(steps)
 
 
 def profile_dram_load(device: torch.device, sizes_mb, iters: int = 5) -> list[tuple[int, float]]:
@@ -272,10 +292,13 @@ def fit_profile(
         for c, ms in compute["samples"].items()
     }
     load_samples = {t: [[b, ms] for b, ms in pts] for t, pts in loads.items()}
-    meta = dict(meta, compute_samples=samples, load_samples=load_samples)
+    pts = compute.get("other") or []
+    other = LinearFit.fit([x for x, _ in pts], [ms for _, ms in pts]) if pts else None
+    meta = dict(meta, compute_samples=samples, load_samples=load_samples,
+                other_samples=[[float(x), float(ms)] for x, ms in pts])  # fmt: skip
     return Profile(
         model, str(device), str(dtype).removeprefix("torch."), size, fits, load_fits,
-        compute["blocks"], meta,
+        compute["blocks"], meta, other,
     )  # fmt: skip
 
 
@@ -287,6 +310,12 @@ def r2_report(profile: Profile) -> list[str]:
                 f"compute {cls:>18} {mode:>6}: ms = {f.slope * 1e12:.4f}/TFLOP * FLOPs "
                 f"+ {f.intercept:.4f}   R² = {f.r2:.4f} (n = {f.n})"
             )
+    if profile.other is not None:
+        f = profile.other
+        lines.append(
+            f"rest of the step       : ms = {f.slope * 1e6:.4f}/Mpx-row * rows*pixels "
+            f"+ {f.intercept:.4f}   R² = {f.r2:.4f} (n = {f.n})"
+        )
     for tier, f in sorted(profile.load.items()):
         gbps = 1.0 / (f.slope * 1e6) if f.slope > 0 else float("inf")
         lines.append(

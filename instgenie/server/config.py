@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROUTING_POLICIES = ("least-loaded", "round-robin")
+ROUTING_POLICIES = ("least-loaded", "mask-aware", "round-robin")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,9 @@ class ServerConfig:
     max_queue: int = 64
     #: requests in flight on one worker at a time; 0 = twice the worker's max_batch
     worker_slots: int = 0
-    #: routing policy across workers: "least-loaded" | "round-robin"
+    #: routing policy across workers (server/routing.py): "least-loaded" | "mask-aware"
+    #: (predicted latency from each worker's latency models and the request's mask; measured no
+    #: better on an H200 pair, docs/benchmarks/routing-h200.md) | "round-robin"
     routing: str = "least-loaded"
     #: Retry-After of 429 and retryable 503 answers, seconds
     retry_after_s: int = 2

@@ -6,7 +6,9 @@ server queue, FIFO, bounded by ServerConfig.max_queue (beyond it: 429 + Retry-Af
 Invariants (event loop thread only):
 - A slot's capacity is reserved from routing until the worker's terminal answer for the request
   (done, failed or cancelled) - never released on the client's say-so, so a cancelled request
-  holds its slot until the worker confirms; `slot.pending` has one entry per reservation.
+  holds its slot until the worker confirms; `slot.pending` has one entry per reservation, and
+  `slot.routes` the same keys (the routing facts the mask-aware policy prices; `slot.progress`
+  the steps done of those already sent).
 - A worker that dies fails every pending request of it at once (worker_died, retryable) and, if
   no worker is left accepting, every waiting one (no_worker); nothing waits on a dead worker.
 - ServerConfig.request_timeout_s counts from admission: a request still in the server queue at
@@ -119,6 +121,7 @@ class Dispatcher:
         fut = asyncio.get_running_loop().create_future()
         fut.add_done_callback(_consume)
         slot.pending[ticket.uid] = fut
+        slot.routes[ticket.uid] = ticket.route
         ticket.slot = slot
 
     def pump(self) -> None:
@@ -176,6 +179,7 @@ class Dispatcher:
             self._release(slot, ticket.uid)
             raise self._worker_gone(slot, str(exc)) from None
         ticket.dispatched_at = time.monotonic()
+        slot.progress[ticket.uid] = handle.progress  # the steps it has done (routing)
         handle.future.add_done_callback(
             lambda f: loop.call_soon_threadsafe(self._answered, slot, ticket.uid, f)
         )
@@ -200,6 +204,7 @@ class Dispatcher:
 
     def _answered(self, slot: WorkerSlot, uid: str, result: Future) -> None:
         fut = slot.pending.pop(uid, None)
+        slot.forget(uid)
         if fut is not None and not fut.done():
             exc = result.exception()
             if exc is not None:
@@ -219,6 +224,7 @@ class Dispatcher:
 
     def _release(self, slot: WorkerSlot, uid: str) -> None:
         slot.pending.pop(uid, None)
+        slot.forget(uid)
         self.pump()
 
     def release(self, ticket: Ticket) -> None:
@@ -244,6 +250,8 @@ class Dispatcher:
     def worker_down(self, slot: WorkerSlot, reason: str) -> None:
         """Fail what `slot` held (its process is gone); fail the queue if no worker is left."""
         pending, slot.pending = slot.pending, {}
+        slot.routes.clear()
+        slot.progress.clear()
         err = WorkerError("worker_died", f"worker {slot.index} died: {reason}", retryable=True)
         for fut in pending.values():
             if not fut.done():

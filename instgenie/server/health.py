@@ -124,6 +124,14 @@ class HealthMonitor:
                     "batch_size": int(s.stats.get("batch_size_last", 0)),
                     "steps_total": int(s.stats.get("steps_total", 0)),
                     "last_stats_age_s": round(now - s.stats_at, 3) if s.stats_at else None,
+                    "cost_model": cost_model(s),
                 }
             )
         return any(r["healthy"] for r in rows), rows
+
+
+def cost_model(slot: WorkerSlot) -> str | None:
+    """How the mask-aware router prices `slot` (WorkerHealth.cost_model)."""
+    if slot.cost is None:
+        return None
+    return "profile" if slot.cost.compute else "flops"

@@ -184,7 +184,7 @@ async def prepare_native_edit(request: Request) -> EditSpec:
     mask = blobs.get("mask")
     if mask is None:
         raise ApiError.invalid("mask", "is required (white = edit, black = keep)")
-    return rt.prepare_edit(
+    spec = rt.prepare_edit(
         image=blobs.get("image"),
         mask=mask,
         template_id=params.template_id,
@@ -197,6 +197,8 @@ async def prepare_native_edit(request: Request) -> EditSpec:
         output_format=params.output_format,
         paste_back=params.paste_back,
     )
+    await rt.measure_mask([spec])
+    return spec
 
 
 async def until_disconnect(request: Request) -> None:

@@ -160,6 +160,7 @@ async def images_edits(
         )
         for i in range(n)
     ]
+    await rt.measure_mask(specs)
     tickets = []
     try:
         for spec in specs:

@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -17,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from instgenie.config import Config
-from instgenie.server.routing import WorkerView
+from instgenie.messages import CostSpec
+from instgenie.server.routing import RouteRequest, WorkerView
 from instgenie.worker.client import WorkerClient, WorkerHandle
 
 log = logging.getLogger("instgenie.server")
@@ -39,6 +41,14 @@ class WorkerSlot:
     starts: int = 0  # successful starts, count (the first one included)
     last_error: str = ""  # why the last start failed or the worker died
     templates_ready: set[str] = field(default_factory=set)  # templates.py
+    #: template id -> the fastest tier holding its cache there (templates.py)
+    template_tiers: dict[str, str] = field(default_factory=dict)
+    #: uid -> routing facts of each pending request (the dispatcher keeps it beside `pending`)
+    routes: dict = field(default_factory=dict)
+    #: uid -> the worker client's list of steps done (EditHandle.progress: appended by the
+    #: client thread as Progress messages arrive; only read here) of each request sent
+    progress: dict = field(default_factory=dict)
+    cost: CostSpec | None = None  # the worker's CostSpec, fetched at each (re)start
     # health.py:
     stats: dict[str, float] = field(default_factory=dict)  # last Stats answer
     stats_at: float = 0.0  # monotonic time of the last Stats answer
@@ -85,6 +95,15 @@ class WorkerSlot:
             return False, f"denoise loop made no step for {now - self.steps_moved_at:.1f} s"
         return True, ""
 
+    def forget(self, uid: str) -> None:
+        self.routes.pop(uid, None)
+        self.progress.pop(uid, None)
+
+    def _held(self, uid: str) -> RouteRequest:
+        done = self.progress.get(uid)
+        route = self.routes[uid]
+        return dataclasses.replace(route, steps_done=done[-1]) if done else route
+
     def view(self) -> WorkerView:
         return WorkerView(
             index=self.index,
@@ -94,6 +113,10 @@ class WorkerSlot:
             batch_size=int(self.stats.get("batch_size_last", 0)),
             queue_depth=int(self.stats.get("in_queued", 0) + self.stats.get("in_pre", 0)),
             templates_ready=frozenset(self.templates_ready),
+            template_tiers=dict(self.template_tiers),
+            requests=tuple(self._held(u) for u in self.pending if u in self.routes),
+            max_batch=self.config.worker.max_batch,
+            cost=self.cost,
         )
 
 
@@ -143,6 +166,11 @@ class WorkerPool:
         slot.starts += 1
         slot.stats_at = slot.steps_moved_at = time.monotonic()
         slot.stats = {"ready": 1.0}
+        try:  # for the mask-aware router; without it, routing falls back to least-loaded
+            slot.cost = handle.client.cost_spec(timeout=10.0)
+        except TimeoutError:
+            slot.cost = None
+            log.warning("worker %d sent no cost spec: it is routed by load only", slot.index)
         log.warning(
             "worker %d (%s, pid %d) ready in %.1f s",
             slot.index,
@@ -156,6 +184,8 @@ class WorkerPool:
         old, slot.handle = slot.handle, None
         slot.state, slot.stats = "restarting", {}
         slot.templates_ready.clear()
+        slot.template_tiers.clear()
+        slot.cost = None
         slot.step_cursor, slot.steps_seen = 0, -1.0
 
         def run() -> None:

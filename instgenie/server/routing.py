@@ -1,18 +1,21 @@
 """Routing policies: which worker gets the next request.
 
 A policy is a pure function of the request's routing facts and a snapshot of every worker's state
-(no I/O, no clocks), so it is unit-testable and the mask-aware cost-model scheduler can replace
-it behind the same interface. The dispatcher calls `choose` only with workers that are up and
-accepting; a policy returns None to say "none of these has room": the request then waits in the
-server queue.
+(no I/O, no clocks), so it is unit-testable. The dispatcher calls `choose` only with workers that
+are up and accepting; a policy returns None to say "none of these has room": the request then
+waits in the server queue. Policies: `mask-aware` (the default: paper §4.4, Algorithm 2, priced by
+server.estimate), `least-loaded` (slot occupancy) and `round-robin`.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from instgenie.messages import CostSpec
+from instgenie.server.estimate import Estimator, Work
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,11 @@ class RouteRequest:
     num_steps: int | None  # denoise steps asked for; None: the model's default
     pixels: int  # width * height of the image, pixels
     mask_ratio: float | None = None  # fraction of pixels to edit; None: not measured
+    guidance: float | None = None  # guidance scale asked for; None: the model's default
+    #: (token stride in pixels, fraction of that token grid the mask covers), one per transformer
+    #: resolution of the model (estimate.token_ratios); empty: not measured
+    token_ratios: tuple[tuple[int, float], ...] = ()
+    steps_done: int = 0  # denoising steps it has done (a held request's progress), count
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,12 @@ class WorkerView:
     batch_size: int = 0  # requests in its last denoise step (stats, may lag), count
     queue_depth: int = 0  # requests it holds that are not in the denoise loop (stats), count
     templates_ready: frozenset[str] = field(default_factory=frozenset)  # cache resident there
+    #: template id -> the fastest tier holding its cache there ("gpu", "dram", ...)
+    template_tiers: Mapping[str, str] = field(default_factory=dict)
+    #: the requests it holds (reserved or sent, not answered), oldest first, with their progress
+    requests: tuple[RouteRequest, ...] = ()
+    max_batch: int = 0  # most requests in one denoise step (WorkerConfig.max_batch); 0: unknown
+    cost: CostSpec | None = None  # how to price its batches (its loop's CostSpec); None: unknown
 
     @property
     def has_room(self) -> bool:
@@ -90,9 +104,93 @@ class LeastLoaded:
         return min(room, key=cost).index
 
 
+class MaskAware:
+    """Paper §4.4, Algorithm 2: the worker where the request is predicted to finish first.
+
+    Cost of worker w for request r, ms: the time until r's last step on w, simulated step by
+    step from what w holds. Each held request has its remaining steps (its steps minus the
+    Progress it reported); at most B (WorkerConfig.max_batch) run per step, in arrival order, r
+    last. Until r finishes: the running batch takes one step of estimate.Estimator.step_ms (the
+    worker's own load planner pricing that batch with its fitted latency models, each request at
+    its mask's token counts, on the full path where its template's cache is not ready there,
+    with host -> GPU loads where the cache is not on the GPU, plus the rest of the step); a
+    request leaves after its last step and the next waiting one joins. (The paper prices one
+    step of the worker's batch with r added; the simulation also counts the steps r shares with
+    requests about to finish, and the wait for a place.)
+    Ties go to a worker holding the template's cache, then to the lower slot occupancy and
+    index. When a candidate has not reported its CostSpec, the decision is least-loaded's.
+    """
+
+    name = "mask-aware"
+    needs_mask = True  # the dispatcher measures RouteRequest.token_ratios
+
+    def __init__(self) -> None:
+        self._fallback = LeastLoaded()
+        self._estimators: dict[int, tuple[CostSpec, Estimator]] = {}
+
+    def estimator(self, spec: CostSpec) -> Estimator:
+        hit = self._estimators.get(id(spec))
+        if hit is None or hit[0] is not spec:
+            if len(self._estimators) > 64:  # specs of restarted workers
+                self._estimators.clear()
+            hit = self._estimators[id(spec)] = (spec, Estimator(spec))
+        return hit[1]
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> int | None:
+        room = [w for w in workers if w.has_room]
+        if not room:
+            return None
+        if any(w.cost is None for w in room):
+            return self._fallback.choose(request, room)
+
+        def key(w: WorkerView) -> tuple[float, int, float, int]:
+            cold = int(
+                request.template_id is not None and request.template_id not in w.templates_ready
+            )
+            return (self.cost_ms(request, w), cold, w.in_flight / max(1, w.slots), w.index)
+
+        return min(room, key=key).index
+
+    def cost_ms(self, request: RouteRequest, w: WorkerView) -> float:
+        """Predicted time from now to `request`'s last step on `w` (the simulation above), ms."""
+        assert w.cost is not None
+        est = self.estimator(w.cost)
+        # [work, steps left]; requests with no step left are in post-processing: not in a batch
+        held = [[self._work(est, q, w), 0.0] for q in w.requests]
+        for h, q in zip(held, w.requests, strict=True):
+            h[1] = max(0, h[0].steps - q.steps_done)
+        new = [self._work(est, request, w), 0.0]
+        new[1] = new[0].steps
+        line = [h for h in held if h[1] > 0] + [new]
+        B = w.max_batch if w.max_batch > 0 else len(line)
+        t = 0.0
+        while True:
+            running = line[:B]
+            k = min(r[1] for r in running)  # steps until the next one leaves
+            t += k * est.step_ms([r[0] for r in running])
+            if any(r is new for r in running) and new[1] <= k:
+                return t
+            for r in running:
+                r[1] -= k
+            line = [r for r in line if r[1] > 0]
+
+    @staticmethod
+    def _work(est: Estimator, r: RouteRequest, w: WorkerView) -> Work:
+        tier = None
+        if r.template_id is not None and r.template_id in w.templates_ready:
+            tier = w.template_tiers.get(r.template_id, "gpu")
+        ratios = dict(r.token_ratios) if r.token_ratios else None
+        if ratios is not None and any(s not in ratios for s in est.strides):
+            ratios = None  # measured for other strides (another model): price all tokens
+        return est.work(r.pixels, r.num_steps, r.guidance, ratios, tier)
+
+
 def make_policy(name: str) -> RoutingPolicy:
+    if name == MaskAware.name:
+        return MaskAware()
     if name == RoundRobin.name:
         return RoundRobin()
     if name == LeastLoaded.name:
         return LeastLoaded()
-    raise ValueError(f"routing: unknown policy {name!r}; known: least-loaded, round-robin")
+    known = (MaskAware.name, LeastLoaded.name, RoundRobin.name)
+    raise ValueError(f"routing: unknown policy {name!r}; known: {', '.join(known)}")

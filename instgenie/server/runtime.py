@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from instgenie.config import LimitsConfig
+from instgenie.engine.imageio import decode_mask, mask_ratio
 from instgenie.errors import ValidationError
 from instgenie.messages import Progress
 from instgenie.server.config import ServerConfig
 from instgenie.server.dispatcher import Dispatcher, Outcome, Ticket
 from instgenie.server.errors import ApiError
+from instgenie.server.estimate import token_ratios
 from instgenie.server.health import HealthMonitor
 from instgenie.server.jobs import JobTable
 from instgenie.server.metrics import Metrics, fastest_tier, live_families
@@ -39,6 +44,7 @@ class EditSpec:
     route: RouteRequest
     template_id: str | None  # the registered template it uses, if any
     seed: int
+    image_size: tuple[int, int] = (0, 0)  # the image's (width, height), pixels
 
 
 class Runtime:
@@ -198,8 +204,34 @@ class Runtime:
             template_id=rec.template_id if rec is not None else None,
         )
         tid = rec.template_id if rec is not None else None
-        route = RouteRequest(template_id=tid, num_steps=steps, pixels=width * height)
-        return EditSpec(fields, route, tid, seed)
+        pixels = out_w * out_h if out_w is not None and out_h is not None else width * height
+        route = RouteRequest(template_id=tid, num_steps=steps, pixels=pixels,
+                             guidance=guidance_scale)  # fmt: skip
+        return EditSpec(fields, route, tid, seed, (width, height))
+
+    async def measure_mask(self, specs: list[EditSpec]) -> None:
+        """Fill the routing facts a mask-aware policy prices (RouteRequest.mask_ratio and
+        token_ratios at the workers' token strides) from each spec's mask, decoded off the event
+        loop; a mask that does not decode is a 422 here, before it takes a place."""
+        if not getattr(self.dispatcher.policy, "needs_mask", False):
+            return
+        strides = sorted({b.stride for s in self.pool.slots if s.cost for b in s.cost.blocks})
+        if not strides:
+            return
+        measured: dict[int, tuple[float, dict[int, float]]] = {}
+        for spec in specs:
+            mask = spec.fields["mask"]
+            if id(mask) not in measured:  # the n edits of one OpenAI request share their mask
+                try:
+                    measured[id(mask)] = await asyncio.to_thread(
+                        mask_facts, mask, spec.image_size, self.limits, strides
+                    )
+                except ValidationError as exc:
+                    raise ApiError.from_validation(exc) from None
+            ratio, ratios = measured[id(mask)]
+            spec.route = dataclasses.replace(
+                spec.route, mask_ratio=ratio, token_ratios=tuple(sorted(ratios.items()))
+            )
 
     # ---- running --------------------------------------------------------------------------------
     def admit(self, spec: EditSpec) -> Ticket:
@@ -274,3 +306,11 @@ class Runtime:
             st = rec.state(self.pool)
             states[st] = states.get(st, 0) + 1
         return live_families(len(self.dispatcher.waiting), workers, states)
+
+
+def mask_facts(
+    mask: bytes, image_size: tuple[int, int], limits: LimitsConfig, strides: list[int]
+) -> tuple[float, dict[int, float]]:
+    """(fraction of pixels edited, token_ratios at `strides`) of an encoded native mask."""
+    img = decode_mask(mask, image_size, limits, "mask")
+    return mask_ratio(img), token_ratios(np.asarray(img) >= 128, strides)

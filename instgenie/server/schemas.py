@@ -244,6 +244,10 @@ class WorkerHealth(BaseModel):
     batch_size: int
     steps_total: int
     last_stats_age_s: float | None
+    cost_model: Literal["profile", "flops"] | None = Field(
+        description="how the mask-aware router prices this worker: its fitted latency profile, "
+        "FLOPs (no profile), or null (no cost spec yet: routed by load)"
+    )
 
 
 class HealthResponse(BaseModel):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from instgenie.messages import RegisterTemplate
 from instgenie.server.config import ServerConfig
 from instgenie.server.errors import ApiError
+from instgenie.server.metrics import fastest_tier
 from instgenie.server.pool import WorkerPool, WorkerSlot
 from instgenie.worker.client import WorkerError
 
@@ -130,6 +131,7 @@ class TemplateRegistry:
             build.state, build.build_ms = "ready", reply.build_ms
             build.bytes_by_tier = dict(reply.bytes_by_tier)
             slot.templates_ready.add(tid)
+            slot.template_tiers[tid] = fastest_tier(build.bytes_by_tier)
         elif exc is None:
             build.state, build.message = "failed", fut.result().message
         elif isinstance(exc, WorkerError) and exc.code == "invalid_request":
@@ -143,6 +145,7 @@ class TemplateRegistry:
         del self.records[template_id]
         for slot in self.pool.slots:
             slot.templates_ready.discard(template_id)
+            slot.template_tiers.pop(template_id, None)
             client = slot.client
             if client is not None and slot.accepting:
                 try:

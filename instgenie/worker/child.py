@@ -39,6 +39,7 @@ from instgenie.logs import quiet_libraries, setup_process
 from instgenie.messages import (
     Abort,
     ChildReady,
+    CostSpec,
     Heartbeat,
     Message,
     Ping,
@@ -132,11 +133,11 @@ class ChildRuntime:
         finally:
             self.busy = ("", 0.0)
 
-    def ready(self) -> None:
+    def ready(self, cost: CostSpec | None = None) -> None:
         self.started = True
         self._beat.start()
         self.send(ChildReady(role=self.role, index=self.index, pid=os.getpid(),
-                             codec=codec_allowed()))  # fmt: skip
+                             codec=codec_allowed(), cost=cost))  # fmt: skip
 
     def _beats(self) -> None:
         chan = Channel.push(self.outbox_address, name=f"{self.role}{self.index} beat")

@@ -38,6 +38,7 @@ from instgenie.ipc import ClientSocket, ipc_address
 from instgenie.messages import (
     Accepted,
     Cancel,
+    CostSpec,
     DropTemplate,
     EditDone,
     EditFailed,
@@ -163,6 +164,11 @@ class WorkerClient:
 
     def stats(self, timeout: float | None = 10.0) -> dict[str, float]:
         return self._ask(self._stats, GetStats(), timeout).counters
+
+    def cost_spec(self, timeout: float | None = 10.0) -> CostSpec | None:
+        """The loop's CostSpec (how the router prices this worker's batches); None until the
+        loop has reported it."""
+        return self._ask(self._stats, GetStats(cost=True), timeout).cost
 
     def step_log(self, since_step: int = 0, timeout: float | None = 10.0) -> list[StepEntry]:
         return self._ask(self._steplogs, GetStepLog(since_step=since_step), timeout).entries

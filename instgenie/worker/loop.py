@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from instgenie import faults
+from instgenie.cache.costspec import cost_spec
 from instgenie.cache.index import EntryInUse
 from instgenie.cache.store import tier_of
 from instgenie.engine.imageio import forbid_codec_in_this_process
@@ -368,6 +369,6 @@ def run(rt: ChildRuntime) -> None:
     if not inline:
         forbid_codec_in_this_process()
     loop = Loop(rt, pipe, Stages(pipe) if inline else None)
-    rt.ready()
+    rt.ready(cost_spec(pipe, rt.wcfg.profile))
     with torch.inference_mode():
         loop.run()

@@ -44,6 +44,7 @@ from instgenie.messages import (
     Cancel,
     ChildReady,
     ClientToWorker,
+    CostSpec,
     DropTemplate,
     EditDone,
     EditFailed,
@@ -114,6 +115,8 @@ class Supervisor(ChildProcesses):
         self.loop_steps = 0  # steps of the current incarnation
         self.clients: dict[bytes, None] = {}
         self.was_ready = False
+        #: the loop's CostSpec (ChildReady; the latest loop's, kept across its restarts)
+        self.cost_spec: CostSpec | None = None
         #: why this worker gave up (a child could not start before the worker was ever ready)
         self.fatal = ""
         self.closing: Shutdown | None = None
@@ -208,7 +211,8 @@ class Supervisor(ChildProcesses):
         elif isinstance(msg, DropTemplate):
             self.drop_template(msg.template_id)
         elif isinstance(msg, GetStats):
-            self.server.send(identity, Stats(counters=self.stats()), timeout_ms=0)
+            cost = self.cost_spec if msg.cost else None
+            self.server.send(identity, Stats(counters=self.stats(), cost=cost), timeout_ms=0)
         elif isinstance(msg, GetStepLog):
             entries = [e for e in self.steps if e.step >= msg.since_step]
             self.server.send(identity, StepLog(entries=entries), timeout_ms=0)
@@ -387,6 +391,8 @@ class Supervisor(ChildProcesses):
             return
         c.ready, c.last_beat, c.progress_at = True, time.monotonic(), time.monotonic()
         c.codec = msg.codec
+        if msg.cost is not None:
+            self.cost_spec = msg.cost
         log.info("%s ready (pid %d)", c.name, c.pid)
         if c.role == "pre" or self.inline:  # it must know every template before any edit
             for t in self.templates.values():

@@ -116,6 +116,8 @@ class FluxFill(AdapterBase):
         self.transformer = self.pipe.transformer
         self.vae = self.pipe.vae
         self.granule = self.pipe.vae_scale_factor * 2
+        #: pixels per token side (a token is a 2x2 patch of latents)
+        self.token_stride = self.pipe.vae_scale_factor * 2
         #: the native resolution in pixels (square side)
         self.default_size = int(self.vae.config.sample_size)
         # T5 sequence length: the tokenizer's own limit (512 for the released checkpoints)

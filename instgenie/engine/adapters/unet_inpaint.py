@@ -93,6 +93,11 @@ class UNetInpaintAdapter(AdapterBase):
         self.prediction_type = self.pipe.scheduler.config.prediction_type
         #: the native resolution in pixels (square side)
         self.default_size = unet.config.sample_size * self.pipe.vae_scale_factor
+        #: pixels per token side at the first transformer grid (the latent grid)
+        self.token_stride = self.pipe.vae_scale_factor
+        #: prompt tokens per row (CLIP's context length)
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        self.text_len = int(tokenizer.model_max_length) if tokenizer is not None else 77
         if self.device.type == "cuda" and env.unet_channels_last():
             # NHWC convolutions without cuDNN's NCHW<->NHWC transposes; with keep_channels_last
             # the maps stay NHWC end to end (docs/decisions/0004-unet-memory-format.md)

@@ -33,6 +33,9 @@ class BlockInfo:
     block_id: int
     kind: str  # "unet", "flux_dual", "flux_single"
     name: str  # module path, for logs
+    #: 2x downsamplings between the family's first token grid and this block's:
+    #: its tokens are family.token_stride * 2**level pixels on a side (Flux: always 0)
+    level: int = 0
 
 
 class MaskedBlockHook(ModelHook):
@@ -59,21 +62,27 @@ class MaskedBlockHook(ModelHook):
         return out
 
 
-def _blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+def _blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, int]]:
+    """(module path, block, kind, level) in forward order."""
     if hasattr(model, "down_blocks"):  # UNet2DConditionModel: forward order of its stages
-        stages = [("down_blocks", model.down_blocks), ("mid_block", model.mid_block),
-                  ("up_blocks", model.up_blocks)]  # fmt: skip
+        deepest = len(model.down_blocks) - 1
         found = []
-        for prefix, stage in stages:
+        for prefix, stage in (("down_blocks", model.down_blocks), ("mid_block", model.mid_block),
+                              ("up_blocks", model.up_blocks)):  # fmt: skip
             if stage is None:
                 continue
             for name, module in stage.named_modules():
                 if isinstance(module, BasicTransformerBlock):
-                    found.append((f"{prefix}.{name}" if name else prefix, module, "unet"))
+                    # down_blocks[i] attends before its downsampler (level i); the mid block at
+                    # the deepest level; up_blocks[j] before its upsampler (deepest - j)
+                    pos = int(name.split(".", 1)[0]) if prefix != "mid_block" else 0
+                    level = {"down_blocks": pos, "mid_block": deepest}.get(prefix, deepest - pos)
+                    path = f"{prefix}.{name}" if name else prefix
+                    found.append((path, module, "unet", level))
         return found
-    dual = [(n, m, "flux_dual") for n, m in model.named_modules()
+    dual = [(n, m, "flux_dual", 0) for n, m in model.named_modules()
             if isinstance(m, FluxTransformerBlock)]  # fmt: skip
-    single = [(n, m, "flux_single") for n, m in model.named_modules()
+    single = [(n, m, "flux_single", 0) for n, m in model.named_modules()
               if isinstance(m, FluxSingleTransformerBlock)]  # fmt: skip
     return dual + single
 
@@ -93,7 +102,7 @@ _FORWARDS: dict[str, tuple[Callable, Callable, Callable]] = {
 def install(model: torch.nn.Module) -> list[BlockInfo]:
     """Hook every transformer block of `model` (idempotent). Returns the blocks in id order."""
     infos = []
-    for block_id, (name, module, kind) in enumerate(_blocks(model)):
+    for block_id, (name, module, kind, level) in enumerate(_blocks(model)):
         check, masked_forward, image_output = _FORWARDS[kind]
         reason = check(module)
         if reason is not None:
@@ -103,7 +112,7 @@ def install(model: torch.nn.Module) -> list[BlockInfo]:
             registry.register_hook(
                 MaskedBlockHook(block_id, masked_forward, image_output), HOOK_NAME
             )
-        infos.append(BlockInfo(block_id, kind, name))
+        infos.append(BlockInfo(block_id, kind, name, level))
     if not infos:
         raise NotImplementedError(f"{type(model).__name__} has no supported transformer blocks")
     return infos

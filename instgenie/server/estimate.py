@@ -1,0 +1,175 @@
+"""Step-latency estimates for the mask-aware router (paper §4.4, Algorithm 2).
+
+A worker's `CostSpec` (sent by its denoise loop at start) lists every transformer block's
+dimensions and token stride and, when the worker runs with a fitted profile, the same latency
+models its per-step load planner uses. From them `Estimator.step_ms` predicts one denoising step
+of a batch of requests as the worker's planner prices it (cache.costmodel): per block, the
+batch's masked compute ("cached" fit at the batch's FLOPs), its full compute ("full" fit) and the
+loads of cached rows not resident on the GPU, and the load planner's optimal plan (cache.planner,
+the paper's Algorithm 1) over them; plus the rest of the step (ResNets, norms, the scheduler: the
+profile's "other" fit at the batch's rows * pixels), which a masked request pays in full.
+Without a profile the fits are replaced by FLOPs at a nominal `NOMINAL_FLOPS_PER_MS` (relative
+prices), nothing is loaded and the rest of the step is not priced. Not priced either: pre/post
+processing. Pure Python (no torch): it runs in the API process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from instgenie.cache.costs import BlockDims, cached_bytes, row_macs
+from instgenie.cache.planner import BlockCosts, plan_step
+from instgenie.messages import CostFit, CostSpec
+
+#: FLOPs per millisecond of the nominal device that prices batches without a profile
+#: (100 TFLOP/s); only ratios of such prices are used
+NOMINAL_FLOPS_PER_MS = 1e11
+#: tiers whose cached rows are copied host -> GPU for every step that reads them (the others,
+#: "gpu" and "cpu" = the loop's own device store, are read in place)
+HOST_TIERS = frozenset({"dram", "disk"})
+#: step prices remembered per estimator (compositions), entries
+PRICE_CACHE = 4096
+
+
+@dataclass(frozen=True)
+class Work:
+    """One request as the router prices it on one worker."""
+
+    pixels: int  # working size, width * height, pixels
+    rows: int  # batch rows: 2 with classifier-free guidance, else 1
+    steps: int  # denoising steps
+    #: (token stride in pixels, fraction of that grid's tokens it computes), sorted by stride;
+    #: None: the full path (no ready cache on that worker: every token)
+    ratios: tuple[tuple[int, float], ...] | None
+    loads: bool = False  # its cached rows are copied host -> GPU every step
+
+
+class Estimator:
+    def __init__(self, spec: CostSpec) -> None:
+        self.spec = spec
+        self.blocks = [
+            (BlockDims(b.block_id, b.kind, b.channels, b.ff_macs, b.context_dim, b.mlp), b.stride)
+            for b in sorted(spec.blocks, key=lambda b: b.block_id)
+        ]
+        self.strides = sorted({s for _, s in self.blocks})
+        self.fitted = bool(spec.compute)
+        # blocks of one class at one stride cost the same: price each such kind once
+        # (SDXL: 70 blocks, 2 kinds; Flux: 57 blocks, 2 kinds)
+        kinds: dict[tuple, int] = {}
+        self._seq = tuple(
+            kinds.setdefault((dataclasses.replace(d, block_id=0), s), len(kinds))
+            for d, s in self.blocks
+        )
+        self._kinds = list(kinds)
+        self._prices: dict[frozenset, float] = {}
+
+    # ---- one request -----------------------------------------------------------------------
+    def work(
+        self,
+        pixels: int,
+        steps: int | None,
+        guidance: float | None,
+        ratios: dict[int, float] | None,
+        tier: str | None,
+    ) -> Work:
+        """A request of `pixels` whose mask covers `ratios` of each token grid (None: unknown,
+        priced as all tokens) on a worker where its template's cache sits in `tier` (None: no
+        ready cache there: the full path)."""
+        spec = self.spec
+        g = guidance if guidance is not None else spec.default_guidance
+        rows = 2 if spec.cfg and g > 1.0 else 1
+        if tier is None:
+            cover = None
+        elif ratios is None:
+            cover = tuple((s, 1.0) for s in self.strides)
+        else:
+            cover = tuple(sorted(ratios.items()))
+        loads = tier in HOST_TIERS and bool(spec.load)
+        return Work(pixels, rows, steps or spec.default_steps, cover, loads)
+
+    # ---- one step of a batch -----------------------------------------------------------------
+    def step_ms(self, batch: Iterable[Work]) -> float:
+        """Predicted latency of one denoising step of `batch`, ms. Requests of different sizes
+        never share a step (the worker batches by size): their steps take turns, so they add.
+        Prices are remembered per composition (the same batches recur from one routing
+        decision to the next)."""
+        key = frozenset(Counter(batch).items())
+        price = self._prices.get(key)
+        if price is None:
+            groups: dict[int, list[Work]] = defaultdict(list)
+            for w, k in key:
+                groups[w.pixels] += [w] * k
+            price = sum(self._group_ms(pixels, works) for pixels, works in groups.items())
+            if len(self._prices) >= PRICE_CACHE:
+                self._prices.clear()
+            self._prices[key] = price
+        return price
+
+    def _group_ms(self, pixels: int, works: list[Work]) -> float:
+        """cache.costmodel.StepCostModel.costs for these requests, then the planner's plan."""
+        spec, t = self.spec, self.spec.text_len
+        reads = any(w.ratios is not None for w in works)
+        rows = sum(w.rows for w in works)
+        per_kind = []
+        for d, stride in self._kinds:
+            L = max(1, pixels // (stride * stride))
+            counts: Counter[int] = Counter()  # masked tokens per row -> rows
+            nbytes = 0
+            for w in works:
+                r = None if w.ratios is None else dict(w.ratios)[stride]
+                n = L if r is None else min(L, max(0, round(r * L)))
+                counts[n] += w.rows
+                if w.loads:
+                    nbytes += cached_bytes(L, d.channels, w.rows, spec.cache_dtype)
+            # = batch_flops(d, L, rows' masked tokens, t): a sum of per-row terms
+            full = self._compute_ms(d, "full", 2 * rows * row_macs(d, L, L, t))
+            cached = full
+            if reads:
+                flops = 2 * sum(k * row_macs(d, L, n, t) for n, k in counts.items())
+                cached = self._compute_ms(d, "cached", flops)
+            load = self._fit_ms(spec.load.get("dram"), nbytes) if nbytes else 0.0
+            per_kind.append((cached, full, load))
+        return self._blocks_ms(per_kind, reads) + self.other_ms(rows * pixels)
+
+    def _blocks_ms(self, per_kind: list[tuple[float, float, float]], reads: bool) -> float:
+        if not reads:
+            return sum(per_kind[k][1] for k in self._seq)
+        costs = [per_kind[k] for k in self._seq]
+        if not any(c[2] for c in costs):  # nothing to load: the plan takes each block's cheaper
+            return sum(min(c[0], c[1]) for c in costs)
+        cached, full, load = (tuple(col) for col in zip(*costs, strict=True))
+        return plan_step(BlockCosts(cached, full, load)).latency_ms
+
+    def other_ms(self, rows_pixels: int) -> float:
+        """The step outside its transformer blocks for `rows_pixels` = batch rows * pixels."""
+        return self._fit_ms(self.spec.other, rows_pixels) if self.spec.other is not None else 0.0
+
+    def _compute_ms(self, d: BlockDims, mode: str, flops: float) -> float:
+        if not self.fitted:
+            return flops / NOMINAL_FLOPS_PER_MS
+        return self._fit_ms(self.spec.compute.get(f"{d.kind}:{d.channels}/{mode}"), flops)
+
+    @staticmethod
+    def _fit_ms(fit: CostFit | None, x: float) -> float:
+        if fit is None:  # a class or tier the profile lacks (check_profile refuses such profiles)
+            return 0.0
+        return max(0.0, fit.slope * x + fit.intercept)
+
+
+def token_ratios(mask: np.ndarray, strides: Sequence[int]) -> dict[int, float]:
+    """Fraction of each token grid a binary pixel mask (H, W) covers, computed as the worker
+    does (engine.masked.tokens: a token is computed when any pixel under it is edited), on a
+    grid padded up to whole tokens."""
+    m = np.asarray(mask, dtype=bool)
+    out = {}
+    for s in strides:
+        h, w = -(-m.shape[0] // s), -(-m.shape[1] // s)
+        padded = np.zeros((h * s, w * s), dtype=bool)
+        padded[: m.shape[0], : m.shape[1]] = m
+        out[s] = float(padded.reshape(h, s, w, s).any(axis=(1, 3)).mean())
+    return out
