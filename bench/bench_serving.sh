@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# GPU benchmark: a whole server (`instgenie serve`, one worker) under open-loop Poisson traffic
-# from `instgenie loadtest`, masked path (edits of registered templates) against the full path
-# (the same edits sent as unregistered images). Not a test. Results: docs/benchmarks/serving-*.md.
+# GPU benchmark: a whole server (`instgenie serve`) under open-loop Poisson traffic from
+# `instgenie loadtest`, one report per workload mode: masked (edits of registered templates),
+# full (the same edits sent as unregistered images), mixed (FULL_FRACTION of them full).
+# Not a test. Results: docs/benchmarks/serving-*.md, routing-*.md.
 #   OUT=out/serving MODEL=sdxl-inpaint:full SIZE=1024 bash bench/bench_serving.sh
+#   DEVICE=cuda:0,cuda:1 ROUTING=least-loaded MODES=mixed OUT=out/ll bash bench/bench_serving.sh
 # Environment: MODEL, SIZE (px), STEPS (20), RATES ("0.5 1 2"), REQUESTS (24 per rate),
-# SLO_MS (5000), PORT (8000), OUT (directory for the reports and the server log).
+# SLO_MS (5000), PORT (8000), OUT (directory for the reports and the server log), DEVICE (one
+# worker per device, comma-separated), ROUTING (server default if empty), PROFILE (latency
+# profile JSON, none if empty), MODES ("masked full"), FULL_FRACTION (0.25, mode mixed),
+# MASK_RATIOS (loadtest default if empty), TEMPLATES (2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL="${MODEL:-sdxl-inpaint:full}" SIZE="${SIZE:-1024}" STEPS="${STEPS:-20}"
 RATES="${RATES:-0.5 1 2}" REQUESTS="${REQUESTS:-24}" SLO_MS="${SLO_MS:-5000}"
 PORT="${PORT:-8000}" OUT="${OUT:-out/serving}"
-DEVICE="${DEVICE:-cuda:0}"
+DEVICE="${DEVICE:-cuda:0}" MODES="${MODES:-masked full}" FULL_FRACTION="${FULL_FRACTION:-0.25}"
+TEMPLATES="${TEMPLATES:-2}"
 mkdir -p "$OUT"
 py="${PYTHON:-python3}"
-$py -m instgenie.server serve --model "$MODEL" --devices "$DEVICE" --port "$PORT" \
-    --default-steps "$STEPS" > "$OUT/server.log" 2>&1 &
+serve=(--model "$MODEL" --devices "$DEVICE" --port "$PORT" --default-steps "$STEPS")
+[ -n "${ROUTING:-}" ] && serve+=(--routing "$ROUTING")
+[ -n "${PROFILE:-}" ] && serve+=(--profile "$PROFILE")
+$py -m instgenie.server serve "${serve[@]}" > "$OUT/server.log" 2>&1 &
 server=$!
 stop() { kill -TERM "$server" 2>/dev/null || true; wait "$server" || true; }
 trap stop EXIT
@@ -25,11 +33,17 @@ for _ in $(seq 900); do
       2>/dev/null && break
   sleep 1
 done
-common=(--server "http://127.0.0.1:$PORT" --size "$SIZE" --templates 2 --requests "$REQUESTS"
-        --slo-ms "$SLO_MS" --seed 0)
-# shellcheck disable=SC2086 # RATES is a list
-$py -m instgenie.cli loadtest "${common[@]}" --wait-ready-s 60 --rate $RATES \
-    --out "$OUT/masked.json" > "$OUT/masked.jsonl"
-# shellcheck disable=SC2086
-$py -m instgenie.cli loadtest "${common[@]}" --full --rate $RATES \
-    --out "$OUT/full.json" > "$OUT/full.jsonl"
+common=(--server "http://127.0.0.1:$PORT" --size "$SIZE" --templates "$TEMPLATES"
+        --requests "$REQUESTS" --slo-ms "$SLO_MS" --seed 0 --wait-ready-s 60)
+[ -n "${MASK_RATIOS:-}" ] && common+=(--mask-ratios "$MASK_RATIOS")
+for mode in $MODES; do
+  case "$mode" in
+    masked) extra=() ;;
+    full) extra=(--full) ;;
+    mixed) extra=(--full-fraction "$FULL_FRACTION") ;;
+    *) echo "unknown mode $mode (masked | full | mixed)"; exit 2 ;;
+  esac
+  # shellcheck disable=SC2086 # RATES is a list
+  $py -m instgenie.cli loadtest "${common[@]}" "${extra[@]}" --rate $RATES \
+      --out "$OUT/$mode.json" > "$OUT/$mode.jsonl"
+done

@@ -245,6 +245,8 @@ def test_usage_errors_exit_2_before_any_request(capsys, tmp_path: Path) -> None:
         (["--slo-ms", "100", "--fail-under", "2"], "--fail-under"),
         (["--size", "100"], "multiple of 32"),
         (["--full", "--template-id", "ab"], "--full"),
+        (["--full-fraction", "1.5"], "--full-fraction"),
+        (["--full", "--full-fraction", "0.5"], "--full-fraction"),
         (["--trace", str(tmp_path / "none.csv")], "trace"),
         (["--out", str(tmp_path)], "directory"),
     ]:
@@ -274,6 +276,7 @@ def test_loadtest_against_a_real_server(srv: ServerProcess, capsys, tmp_path: Pa
     for p in phases:
         assert (p["requests"], p["ok"], p["errors"]) == (4, 4, {}), p
         assert p["paths"] == {"masked": 4}  # edits of registered templates hit their caches
+        assert sum(p["workers"].values()) == 4  # requests answered per worker index
         assert p["slo_attainment"] == 1.0 and p["latency_ms"]["n"] == 4
     full = json.loads(out.read_text())
     rows = full["phases"][0]["rows"]
@@ -288,3 +291,12 @@ def test_loadtest_against_a_real_server(srv: ServerProcess, capsys, tmp_path: Pa
                      "--fail-under", "0.5"]) == 1  # fmt: skip
     (p,) = _lines(capsys.readouterr().out)
     assert p["paths"] == {"full": 4} and p["slo_attainment"] == 0.0
+
+    # a mixed workload: the edits drawn as full are sent as unregistered images of the same size
+    mixed = tmp_path / "mixed.json"
+    assert cli_main([*argv[:-1], str(mixed), "--rate", "6", "--requests", "6",
+                     "--full-fraction", "0.5"]) == 0  # fmt: skip
+    rows = json.loads(mixed.read_text())["phases"][0]["rows"]
+    assert 0 < sum(r["full_sent"] for r in rows) < 6  # seed 5 draws both kinds
+    for r in rows:
+        assert (r["path"], r["cache"]) == (("full", None) if r["full_sent"] else ("masked", "hit"))

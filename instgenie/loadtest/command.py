@@ -110,6 +110,13 @@ def add_loadtest_parser(sub) -> None:
         help="send unregistered images instead of template ids (the full path)",
     )
     p.add_argument(
+        "--full-fraction",
+        type=float,
+        default=0.0,
+        help="send this fraction of the edits (drawn per edit) as unregistered images of the "
+        "templates' size (the full path), the rest as template edits: a mixed workload",
+    )
+    p.add_argument(
         "--size",
         type=pos_int,
         default=512,
@@ -153,6 +160,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise WorkloadError("--fail-under needs --slo-ms and a fraction in [0, 1]")
     if args.full and args.template_id:
         raise WorkloadError("--full sends unregistered images; it takes no --template-id")
+    if not 0.0 <= args.full_fraction <= 1.0 or (args.full and args.full_fraction):
+        raise WorkloadError("--full-fraction must be in [0, 1] and is not used with --full")
     workload.check_size(args.size)
 
 
@@ -217,10 +226,17 @@ class Templates:
                 print(f"warning: template {tid} not deleted: {exc}", file=sys.stderr)
 
 
-def edit_body(args: argparse.Namespace, tpl: Templates, idx: int, mask: bytes, seed: int) -> dict:
+def edit_body(
+    args: argparse.Namespace, tpl: Templates, idx: int, mask: bytes, seed: int, full: bool = False
+) -> dict:
+    """The edit of template `idx`; `full`: of an unregistered image of its size instead."""
     body: dict = {"mask": base64.b64encode(mask).decode(), "prompt": args.prompt, "seed": seed,
                   "output_format": args.output_format}  # fmt: skip
-    if tpl.ids[idx] is None:
+    if full and tpl.ids[idx] is not None:
+        w, h = tpl.sizes[idx]
+        image = workload.template_image(w, FULL_SEED_OFFSET + idx, height=h)
+        body["image"] = base64.b64encode(image).decode()
+    elif tpl.ids[idx] is None:
         body["image"] = base64.b64encode(tpl.images[idx]).decode()
     else:
         body["template_id"] = tpl.ids[idx]
@@ -280,12 +296,15 @@ def _run(args: argparse.Namespace, out: PendingOutput | None) -> int:
                                       for k, v in vars(args).items() if k != "func"},
                              "mask_ratio_mean": ratios.mean, "phases": []}  # fmt: skip
         failed_slo = False
-        for label, rate, arrivals in phases:
+        for k, (label, rate, arrivals) in enumerate(phases):
             bodies, achieved = [], []
-            for a in arrivals:  # masks drawn and encoded before the phase starts
+            # its own stream: the same seed gives the same arrivals and masks at any fraction
+            full = np.random.default_rng([args.seed, 2 << 20, k]).random(len(arrivals))
+            full = full < args.full_fraction
+            for a, f in zip(arrivals, full, strict=True):  # drawn and encoded before the phase
                 w, h = tpl.sizes[a.template]
                 mask, got = workload.rect_mask(w, h, a.mask_ratio, rng)
-                bodies.append(edit_body(args, tpl, a.template, mask, a.seed))
+                bodies.append(edit_body(args, tpl, a.template, mask, a.seed, bool(f)))
                 achieved.append(got)
             outcomes, wall = driver.run_phase(
                 base, bodies, [a.at_s for a in arrivals], achieved,
@@ -300,7 +319,8 @@ def _run(args: argparse.Namespace, out: PendingOutput | None) -> int:
                  "done_s": o.done_s, "latency_ms": o.latency_ms, "status": o.status,
                  "code": o.code, "message": o.message,
                  "mask_ratio_requested": o.mask_ratio_requested,
-                 "template": arrivals[o.index].template, **o.answer}
+                 "template": arrivals[o.index].template, "full_sent": bool(full[o.index]),
+                 **o.answer}
                 for o in outcomes
             ]  # fmt: skip
             full_report["phases"].append({**summary, "rows": rows})

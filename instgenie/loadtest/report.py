@@ -53,6 +53,7 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo_ms: float | None) -> d
         "denoise_ms": _dist(_timing(ok, "denoise_ms")),
         "paths": dict(collections.Counter(o.answer.get("path") for o in ok)),
         "cache_tiers": dict(collections.Counter(str(o.answer.get("cache_tier")) for o in ok)),
+        "workers": dict(collections.Counter(str(o.answer.get("worker")) for o in ok)),
         "mask_ratio_requested_mean": (
             statistics.fmean(o.mask_ratio_requested for o in outcomes) if outcomes else None
         ),

@@ -215,11 +215,12 @@ def rect_mask(
     return _png(m), w * h / (gw * gh)
 
 
-def template_image(size: int, seed: int) -> bytes:
-    """A structured, seed-specific RGB PNG (gradients, a sine pattern, noise): a stand-in
-    template; distinct seeds give distinct bytes, so distinct template ids."""
+def template_image(size: int, seed: int, height: int | None = None) -> bytes:
+    """A structured, seed-specific RGB PNG (gradients, a sine pattern, noise), `size` wide and
+    `height` (default `size`) high: a stand-in template; distinct seeds give distinct bytes,
+    so distinct template ids."""
     rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:size, 0:size] / size
+    y, x = np.mgrid[0 : height or size, 0:size] / size
     arr = np.stack([x, y, 0.5 + 0.5 * np.sin((6 + seed) * (x + y))], -1) * 200
     arr += rng.normal(0, 10, arr.shape)
     return _png(Image.fromarray(arr.clip(0, 255).astype("uint8"), "RGB"))
