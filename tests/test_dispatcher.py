@@ -249,3 +249,27 @@ def test_the_routing_view_carries_each_held_requests_progress() -> None:
         assert slot.view().requests == () and slot.routes == {} and slot.progress == {}
 
     asyncio.run(main())
+
+
+def test_a_queued_request_moves_when_a_worker_turns_healthy() -> None:
+    """Worker 0 is restarting, worker 1 healthy and full: the request waits in the server queue.
+    When the health poll sees worker 0 healthy again the queue is pumped at once (before: it
+    waited for some request to finish, however long that took)."""
+    from instgenie.server.health import HealthMonitor
+    from instgenie.server.metrics import Metrics
+
+    async def scenario() -> None:
+        d, (w0, w1) = _pool_of_two()
+        now = time.monotonic()
+        w0.observe({"ready": 0.0, "in_loop": 0.0}, now)
+        w1.observe({"ready": 1.0, "in_loop": 0.0}, now)
+        held = [d.admit(ROUTE) for _ in range(w1.slots)]  # worker 1 full
+        assert {t.slot.index for t in held} == {1}
+        queued = d.admit(ROUTE)
+        assert queued.waiter is not None and not queued.waiter.done()
+        w0.handle.client.stats = lambda timeout=None: {"ready": 1.0, "in_loop": 0.0}
+        monitor = HealthMonitor(d.pool, d.cfg, Metrics(), lambda s, r: None, lambda s: d.pump())
+        await monitor._poll(w0)
+        assert queued.waiter.done() and queued.waiter.result() is w0
+
+    asyncio.run(scenario())

@@ -4,7 +4,10 @@ One poll at a time per worker (stats, then the step log since the last poll), ea
 `health_timeout_s`, on this module's own threads: a frozen worker makes its poll wait, never the
 probes, and polls never pile up (RELIABILITY #8). A worker can make progress when its supervisor
 is alive and answers, its processes are all up, and its loop's step counter moves while it holds
-requests (`WorkerSlot.health`). A supervisor found dead is reported to `on_death` once.
+requests (`WorkerSlot.health`). A supervisor found dead is reported to `on_death` once; every
+other finished poll to `on_poll` (the runtime hands queued requests to a worker that has just
+turned healthy: routing prefers healthy workers, and a queue waiting on full healthy workers
+would otherwise move only at the next request completion).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ class HealthMonitor:
         cfg: ServerConfig,
         metrics: Metrics,
         on_death: Callable[[WorkerSlot, str], None],
+        on_poll: Callable[[WorkerSlot], None] | None = None,
     ) -> None:
         self.pool = pool
         self.cfg = cfg
         self.metrics = metrics
         self.on_death = on_death
+        self.on_poll = on_poll
         self._executor = ThreadPoolExecutor(
             max_workers=len(pool.slots), thread_name_prefix="health"
         )
@@ -80,6 +85,8 @@ class HealthMonitor:
         if slot.handle is not handle:
             return
         slot.observe(stats, time.monotonic())
+        if self.on_poll is not None:
+            self.on_poll(slot)
         steps = int(stats.get("steps_total", 0))
         if steps > slot.step_cursor:
             try:

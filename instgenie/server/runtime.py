@@ -58,7 +58,9 @@ class Runtime:
         self.dispatcher = Dispatcher(pool, make_policy(cfg.routing), cfg)
         self.templates = TemplateRegistry(pool, cfg)
         self.jobs = JobTable(cfg.max_jobs, cfg.job_ttl_s, cfg.retry_after_s)
-        self.health = HealthMonitor(pool, cfg, self.metrics, self.on_worker_death)
+        self.health = HealthMonitor(
+            pool, cfg, self.metrics, self.on_worker_death, lambda _slot: self.dispatcher.pump()
+        )
         self.metrics.add_live(self._live)
         self._restarts: set[asyncio.Future] = set()
 
