@@ -39,7 +39,7 @@ class FakeClient:
         self.cancelled: list[str] = []
 
     def submit(self, msg, on_progress=None):
-        handle = SimpleNamespace(uid=msg.uid, future=Future(), progress=[])
+        handle = SimpleNamespace(uid=msg.uid, future=Future(), progress=[], num_steps=None)
         self.submitted[msg.uid] = handle.future
         self.handles[msg.uid] = handle
         return handle
@@ -239,8 +239,10 @@ def test_the_routing_view_carries_each_held_requests_progress() -> None:
             await asyncio.sleep(0.01)
         first, second = (client.handles[t.uid] for t in tickets)
         first.progress.extend([1, 2])  # what the client thread appends as Progress arrives
+        second.num_steps = 1  # strength < 1: it runs 1 of its 2 steps
         second.progress.append(1)
-        assert [r.steps_done for r in slot.view().requests] == [2, 1]
+        held = slot.view().requests
+        assert [(r.steps_done, r.num_steps) for r in held] == [(2, 2), (1, 1)]
         first.future.set_result(_done(tickets[0].uid))
         await asyncio.wait_for(runs[0], HANG_S)
         assert [r.steps_done for r in slot.view().requests] == [1]

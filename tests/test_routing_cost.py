@@ -107,7 +107,8 @@ def test_router_token_ratios_equal_the_workers_token_masks(family: str, seed: in
 
 def _profiled_pipe(load_slope: float) -> EditPipeline:
     prof = Profile.load_file(PROFILE)
-    dram = dataclasses.replace(prof.load["dram"], slope=load_slope)
+    # a positive intercept: each request's copy pays it (the worker prices loads per request)
+    dram = dataclasses.replace(prof.load["dram"], slope=load_slope, intercept=0.05)
     other = LinearFit(slope=2e-5, intercept=1.5, r2=1.0, n=2)  # the rest of the step
     prof = dataclasses.replace(prof, load={"dram": dram}, other=other)
     return EditPipeline(load_family("sdxl-inpaint:tiny"), profile=prof)
@@ -148,7 +149,8 @@ def test_router_step_price_equals_the_workers_plan(tier: str, load_slope: float)
         if masked and tier == "dram":
             s.cache_handle = _HostHandle(s.cache_handle)
         states.append(s)
-    worker_ms = plan_step(pipe.cost_model.costs(states)).latency_ms
+    worker_costs = pipe.cost_model.costs(states)
+    worker_ms = plan_step(worker_costs).latency_ms
     est = Estimator(spec)
     works = [
         est.work(
@@ -160,6 +162,12 @@ def test_router_step_price_equals_the_workers_plan(tier: str, load_slope: float)
         )  # fmt: skip
         for i, m in enumerate(masks)
     ]
+    mine = est.block_costs(w * h, works)  # every block's three costs, not only the plan's sum
+    for got, want in zip((mine.compute_cached, mine.compute_full, mine.load),
+                         (worker_costs.compute_cached, worker_costs.compute_full,
+                          worker_costs.load), strict=True):  # fmt: skip
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert (max(mine.load) > 0) == (tier == "dram")
     rest = 1.5 + 2e-5 * sum(s.num_rows for s in states) * w * h
     assert spec.other is not None and est.other_ms(6 * w * h) == pytest.approx(rest)
     assert est.step_ms(works) == pytest.approx(worker_ms + rest, rel=1e-9)
@@ -303,6 +311,73 @@ def test_encoded_masks_measure_like_decoded_ones() -> None:
     from instgenie.server.runtime import mask_facts
 
     mask = _blob_mask(96, 64, 7)
-    ratio, ratios = mask_facts(encode_image(mask, "png"), (96, 64), LimitsConfig(), [8, 16])
+    ratio, ratios = mask_facts(encode_image(mask, "png"), (96, 64), (96, 64), LimitsConfig(),
+                               [8, 16])  # fmt: skip
     assert ratio == mask_ratio(mask)
     assert ratios == token_ratios(np.asarray(mask) >= 128, [8, 16])
+
+
+@pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
+def test_masks_are_measured_at_the_working_size(family: str) -> None:
+    """An edit at another size than its image (OpenAI `size`, or an image not a multiple of
+    the granule): the worker resizes the mask (nearest) before pooling it, so does the server
+    (before: it measured the uploaded size and under-counted a downscaled mask 1.5-1.8x)."""
+    from instgenie.config import LimitsConfig
+    from instgenie.server.runtime import mask_facts
+
+    fam = tiny_pipeline(family).family
+    spec = cost_spec(tiny_pipeline(family))
+    strides = sorted({b.stride for b in spec.blocks})
+    g = fam.granule
+    big, work = (8 * g, 6 * g), (4 * g, 3 * g)
+    mask = _blob_mask(*big, 5)
+    _, ratios = mask_facts(encode_image(mask, "png"), big, work, LimitsConfig(), strides)
+    worker = fam.token_masks(pixel_mask_tensor(mask.resize(work, Image.Resampling.NEAREST)))
+    for s, r in ratios.items():
+        L = (work[0] // s) * (work[1] // s)
+        assert r * L == pytest.approx(int(worker[L].sum()), abs=1e-9), (s, L)
+
+
+def test_strength_below_one_prices_the_steps_it_runs() -> None:
+    """strength < 1 runs int(steps * strength) steps; a held request whose Progress says it
+    ran all of its (fewer) steps takes no place in the batch."""
+    policy = MaskAware()
+    est = policy.estimator(SPEC)
+    assert est.work(PX, 20, None, dict(RATIOS), "gpu", strength=0.3).steps == 6
+    assert est.work(PX, 20, None, dict(RATIOS), "gpu", strength=0.01).steps == 1
+    small = est.work(PX, 20, None, dict(RATIOS), "gpu")
+    new = dataclasses.replace(_req("T"), strength=0.5)
+    assert policy.cost_ms(new, _worker(0, [])) == pytest.approx(10 * est.step_ms([small]))
+    finished = dataclasses.replace(_req(None), num_steps=6, steps_done=6)  # its Progress
+    assert policy.cost_ms(_req("T"), _worker(0, [finished])) == pytest.approx(
+        20 * est.step_ms([small])
+    )
+
+
+def test_a_worker_whose_cost_spec_cannot_be_fetched_still_starts(monkeypatch) -> None:  # noqa: ANN001
+    """The cost spec only informs routing: a worker that dies or times out while it is asked
+    for it is not failed by that (before: the error escaped the start, and a restarted worker
+    stayed `failed` for good); it is up, priced by load."""
+    from types import SimpleNamespace
+
+    from instgenie.config import Config
+    from instgenie.server import pool as pool_mod
+    from instgenie.worker.client import WorkerError
+
+    def boom(timeout=None):  # noqa: ANN001, ANN202
+        raise WorkerError("worker_died", "the worker exited", retryable=True)
+
+    class FakeHandle:
+        def __init__(self, config) -> None:  # noqa: ANN001
+            self.pid, self.client = 1, SimpleNamespace(cost_spec=boom)
+
+        def wait_ready(self, timeout: float) -> None:
+            pass
+
+    monkeypatch.setattr(pool_mod, "WorkerHandle", FakeHandle)
+    pool = pool_mod.WorkerPool([Config()], slots=2, start_timeout_s=5)
+    try:
+        pool._start(pool.slots[0])
+        assert pool.slots[0].state == "up" and pool.slots[0].cost is None
+    finally:
+        pool._executor.shutdown(wait=False)

@@ -179,7 +179,7 @@ class Dispatcher:
             self._release(slot, ticket.uid)
             raise self._worker_gone(slot, str(exc)) from None
         ticket.dispatched_at = time.monotonic()
-        slot.progress[ticket.uid] = handle.progress  # the steps it has done (routing)
+        slot.progress[ticket.uid] = handle  # its Progress: the steps it has done (routing)
         handle.future.add_done_callback(
             lambda f: loop.call_soon_threadsafe(self._answered, slot, ticket.uid, f)
         )

@@ -76,10 +76,12 @@ class Estimator:
         guidance: float | None,
         ratios: dict[int, float] | None,
         tier: str | None,
+        strength: float | None = None,
     ) -> Work:
         """A request of `pixels` whose mask covers `ratios` of each token grid (None: unknown,
         priced as all tokens) on a worker where its template's cache sits in `tier` (None: no
-        ready cache there: the full path)."""
+        ready cache there: the full path). With `strength` < 1 it runs int(steps * strength)
+        of its steps (diffusers' img2img timesteps), at least one."""
         spec = self.spec
         g = guidance if guidance is not None else spec.default_guidance
         rows = 2 if spec.cfg and g > 1.0 else 1
@@ -90,7 +92,10 @@ class Estimator:
         else:
             cover = tuple(sorted(ratios.items()))
         loads = tier in HOST_TIERS and bool(spec.load)
-        return Work(pixels, rows, steps or spec.default_steps, cover, loads)
+        n = steps or spec.default_steps
+        if strength is not None and strength < 1.0:
+            n = int(n * strength)
+        return Work(pixels, rows, max(1, n), cover, loads)
 
     # ---- one step of a batch -----------------------------------------------------------------
     def step_ms(self, batch: Iterable[Work]) -> float:
@@ -112,6 +117,21 @@ class Estimator:
 
     def _group_ms(self, pixels: int, works: list[Work]) -> float:
         """cache.costmodel.StepCostModel.costs for these requests, then the planner's plan."""
+        per_kind = self._kind_costs(pixels, works)
+        reads = any(w.ratios is not None for w in works)
+        rows = sum(w.rows for w in works)
+        return self._blocks_ms(per_kind, reads) + self.other_ms(rows * pixels)
+
+    def block_costs(self, pixels: int, works: list[Work]) -> BlockCosts:
+        """Per block (execution order) the costs the worker's planner gets for this batch of
+        one size (cache.costmodel.StepCostModel.costs)."""
+        per_kind = self._kind_costs(pixels, works)
+        cols = zip(*(per_kind[k] for k in self._seq), strict=True)
+        cached, full, load = (tuple(c) for c in cols)
+        return BlockCosts(cached, full, load)
+
+    def _kind_costs(self, pixels: int, works: list[Work]) -> list[tuple[float, float, float]]:
+        """(cached ms, full ms, load ms) per block kind."""
         spec, t = self.spec, self.spec.text_len
         reads = any(w.ratios is not None for w in works)
         rows = sum(w.rows for w in works)
@@ -119,22 +139,22 @@ class Estimator:
         for d, stride in self._kinds:
             L = max(1, pixels // (stride * stride))
             counts: Counter[int] = Counter()  # masked tokens per row -> rows
-            nbytes = 0
+            load = 0.0
             for w in works:
                 r = None if w.ratios is None else dict(w.ratios)[stride]
                 n = L if r is None else min(L, max(0, round(r * L)))
                 counts[n] += w.rows
-                if w.loads:
-                    nbytes += cached_bytes(L, d.channels, w.rows, spec.cache_dtype)
+                if w.loads:  # one copy per request, each priced by the fit (as the worker does)
+                    nbytes = cached_bytes(L, d.channels, w.rows, spec.cache_dtype)
+                    load += self._fit_ms(spec.load.get("dram"), nbytes)
             # = batch_flops(d, L, rows' masked tokens, t): a sum of per-row terms
             full = self._compute_ms(d, "full", 2 * rows * row_macs(d, L, L, t))
             cached = full
             if reads:
                 flops = 2 * sum(k * row_macs(d, L, n, t) for n, k in counts.items())
                 cached = self._compute_ms(d, "cached", flops)
-            load = self._fit_ms(spec.load.get("dram"), nbytes) if nbytes else 0.0
             per_kind.append((cached, full, load))
-        return self._blocks_ms(per_kind, reads) + self.other_ms(rows * pixels)
+        return per_kind
 
     def _blocks_ms(self, per_kind: list[tuple[float, float, float]], reads: bool) -> float:
         if not reads:

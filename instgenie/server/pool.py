@@ -45,8 +45,8 @@ class WorkerSlot:
     template_tiers: dict[str, str] = field(default_factory=dict)
     #: uid -> routing facts of each pending request (the dispatcher keeps it beside `pending`)
     routes: dict = field(default_factory=dict)
-    #: uid -> the worker client's list of steps done (EditHandle.progress: appended by the
-    #: client thread as Progress messages arrive; only read here) of each request sent
+    #: uid -> the worker client's EditHandle of each request sent: its `progress` (steps done)
+    #: and `num_steps` are written by the client thread as Progress arrives, only read here
     progress: dict = field(default_factory=dict)
     cost: CostSpec | None = None  # the worker's CostSpec, fetched at each (re)start
     # health.py:
@@ -100,9 +100,14 @@ class WorkerSlot:
         self.progress.pop(uid, None)
 
     def _held(self, uid: str) -> RouteRequest:
-        done = self.progress.get(uid)
         route = self.routes[uid]
-        return dataclasses.replace(route, steps_done=done[-1]) if done else route
+        handle = self.progress.get(uid)
+        done = handle.progress if handle is not None else None
+        if not done:
+            return route
+        # the steps it really runs (strength < 1 runs fewer), as its Progress says
+        total = handle.num_steps or route.num_steps
+        return dataclasses.replace(route, steps_done=done[-1], num_steps=total, strength=None)
 
     def view(self) -> WorkerView:
         return WorkerView(
@@ -162,15 +167,20 @@ class WorkerPool:
             raise
         if slot.handle is not handle:  # closed meanwhile
             raise RuntimeError(f"worker {slot.index} was stopped while starting")
+        # for the mask-aware router (before the slot is up: nothing else asks it for stats);
+        # without it, routing falls back to least-loaded - never a reason to fail the worker
+        why = "it reported none"
+        try:
+            slot.cost = handle.client.cost_spec(timeout=10.0)
+        except Exception as exc:  # noqa: BLE001 - timeout, a worker that died meanwhile, ...
+            slot.cost, why = None, f"{type(exc).__name__}: {exc}"
+        if slot.cost is None:
+            log.warning("worker %d: no cost spec (%s); mask-aware routing prices it by load",
+                        slot.index, why)  # fmt: skip
         slot.state, slot.last_error = "up", ""
         slot.starts += 1
         slot.stats_at = slot.steps_moved_at = time.monotonic()
         slot.stats = {"ready": 1.0}
-        try:  # for the mask-aware router; without it, routing falls back to least-loaded
-            slot.cost = handle.client.cost_spec(timeout=10.0)
-        except TimeoutError:
-            slot.cost = None
-            log.warning("worker %d sent no cost spec: it is routed by load only", slot.index)
         log.warning(
             "worker %d (%s, pid %d) ready in %.1f s",
             slot.index,

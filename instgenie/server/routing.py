@@ -3,8 +3,8 @@
 A policy is a pure function of the request's routing facts and a snapshot of every worker's state
 (no I/O, no clocks), so it is unit-testable. The dispatcher calls `choose` only with workers that
 are up and accepting; a policy returns None to say "none of these has room": the request then
-waits in the server queue. Policies: `mask-aware` (the default: paper §4.4, Algorithm 2, priced by
-server.estimate), `least-loaded` (slot occupancy) and `round-robin`.
+waits in the server queue. Policies: `least-loaded` (the default: slot occupancy), `mask-aware`
+(paper §4.4, Algorithm 2, priced by server.estimate; decision 0019) and `round-robin`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class RouteRequest:
     #: resolution of the model (estimate.token_ratios); empty: not measured
     token_ratios: tuple[tuple[int, float], ...] = ()
     steps_done: int = 0  # denoising steps it has done (a held request's progress), count
+    strength: float | None = None  # img2img strength asked for (< 1 runs fewer steps)
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class MaskAware:
         ratios = dict(r.token_ratios) if r.token_ratios else None
         if ratios is not None and any(s not in ratios for s in est.strides):
             ratios = None  # measured for other strides (another model): price all tokens
-        return est.work(r.pixels, r.num_steps, r.guidance, ratios, tier)
+        return est.work(r.pixels, r.num_steps, r.guidance, ratios, tier, r.strength)
 
 
 def make_policy(name: str) -> RoutingPolicy:

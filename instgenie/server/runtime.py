@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
 from instgenie.config import LimitsConfig
 from instgenie.engine.imageio import decode_mask, mask_ratio
@@ -208,32 +209,39 @@ class Runtime:
         tid = rec.template_id if rec is not None else None
         pixels = out_w * out_h if out_w is not None and out_h is not None else width * height
         route = RouteRequest(template_id=tid, num_steps=steps, pixels=pixels,
-                             guidance=guidance_scale)  # fmt: skip
+                             guidance=guidance_scale, strength=strength)  # fmt: skip
         return EditSpec(fields, route, tid, seed, (width, height))
 
     async def measure_mask(self, specs: list[EditSpec]) -> None:
-        """Fill the routing facts a mask-aware policy prices (RouteRequest.mask_ratio and
-        token_ratios at the workers' token strides) from each spec's mask, decoded off the event
-        loop; a mask that does not decode is a 422 here, before it takes a place."""
+        """Fill the routing facts a mask-aware policy prices (RouteRequest.mask_ratio, pixels
+        and token_ratios at the workers' token strides) from each spec's mask at the working
+        size the worker will use, decoded off the event loop; a mask that does not decode is a
+        422 here, before it takes a place."""
         if not getattr(self.dispatcher.policy, "needs_mask", False):
             return
-        strides = sorted({b.stride for s in self.pool.slots if s.cost for b in s.cost.blocks})
-        if not strides:
+        specs_of = [s.cost for s in self.pool.slots if s.cost is not None]
+        if not specs_of:
             return
-        measured: dict[int, tuple[float, dict[int, float]]] = {}
+        strides = sorted({b.stride for c in specs_of for b in c.blocks})
+        g = specs_of[0].granule
+        measured: dict[tuple, tuple[float, dict[int, float]]] = {}
         for spec in specs:
             mask = spec.fields["mask"]
-            if id(mask) not in measured:  # the n edits of one OpenAI request share their mask
+            (w, h), out = spec.image_size, (spec.fields.get("width"), spec.fields.get("height"))
+            work = out if None not in out else (max(g, w - w % g), max(g, h - h % g))
+            key = (id(mask), work)  # the n edits of one OpenAI request share their mask
+            if key not in measured:
                 try:
-                    measured[id(mask)] = await asyncio.to_thread(
-                        mask_facts, mask, spec.image_size, self.limits, strides
+                    measured[key] = await asyncio.to_thread(
+                        mask_facts, mask, spec.image_size, work, self.limits, strides
                     )
                 except ValidationError as exc:
                     raise ApiError.from_validation(exc) from None
-            ratio, ratios = measured[id(mask)]
+            ratio, ratios = measured[key]
             spec.route = dataclasses.replace(
-                spec.route, mask_ratio=ratio, token_ratios=tuple(sorted(ratios.items()))
-            )
+                spec.route, mask_ratio=ratio, pixels=work[0] * work[1],
+                token_ratios=tuple(sorted(ratios.items())),
+            )  # fmt: skip
 
     # ---- running --------------------------------------------------------------------------------
     def admit(self, spec: EditSpec) -> Ticket:
@@ -311,8 +319,15 @@ class Runtime:
 
 
 def mask_facts(
-    mask: bytes, image_size: tuple[int, int], limits: LimitsConfig, strides: list[int]
+    mask: bytes,
+    image_size: tuple[int, int],
+    working_size: tuple[int, int],
+    limits: LimitsConfig,
+    strides: list[int],
 ) -> tuple[float, dict[int, float]]:
-    """(fraction of pixels edited, token_ratios at `strides`) of an encoded native mask."""
+    """(fraction of pixels edited, token_ratios at `strides`) of an encoded native mask, at
+    the working size (resized nearest-neighbour, as the worker's pre-processing does)."""
     img = decode_mask(mask, image_size, limits, "mask")
+    if img.size != working_size:
+        img = img.resize(working_size, Image.Resampling.NEAREST)
     return mask_ratio(img), token_ratios(np.asarray(img) >= 128, strides)

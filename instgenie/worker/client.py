@@ -77,6 +77,7 @@ class EditHandle:
     future: Future = field(default_factory=Future)  # -> EditDone, or raises WorkerError
     #: steps done so far, as Progress messages arrived (1..num_steps)
     progress: list[int] = field(default_factory=list)
+    num_steps: int | None = None  # steps it runs in all, from its Progress (after strength)
     on_progress: Callable[[Progress], None] | None = None
     queue_position: int | None = None  # from Accepted
     submitted_at: float = field(default_factory=time.monotonic)
@@ -301,6 +302,7 @@ class WorkerClient:
         elif isinstance(msg, Progress):
             handle = self._edits.get(msg.uid)
             if handle is not None:
+                handle.num_steps = msg.num_steps  # before the step: readers check progress
                 handle.progress.append(msg.step)
                 if handle.on_progress is not None:
                     handle.on_progress(msg)
