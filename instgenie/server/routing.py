@@ -57,6 +57,11 @@ class WorkerView:
         return self.in_flight < self.slots
 
 
+def _cold(request: RouteRequest, w: WorkerView) -> int:
+    """1 if the request edits a template whose cache is not ready on `w` (tie-breaks)."""
+    return int(request.template_id is not None and request.template_id not in w.templates_ready)
+
+
 class RoutingPolicy(Protocol):
     name: str
 
@@ -97,10 +102,7 @@ class LeastLoaded:
             return None
 
         def cost(w: WorkerView) -> tuple[float, int, int]:
-            cold = int(
-                request.template_id is not None and request.template_id not in w.templates_ready
-            )
-            return (w.in_flight / max(1, w.slots), cold, w.index)
+            return (w.in_flight / max(1, w.slots), _cold(request, w), w.index)
 
         return min(room, key=cost).index
 
@@ -145,10 +147,8 @@ class MaskAware:
             return self._fallback.choose(request, room)
 
         def key(w: WorkerView) -> tuple[float, int, float, int]:
-            cold = int(
-                request.template_id is not None and request.template_id not in w.templates_ready
-            )
-            return (self.cost_ms(request, w), cold, w.in_flight / max(1, w.slots), w.index)
+            return (self.cost_ms(request, w), _cold(request, w), w.in_flight / max(1, w.slots),
+                    w.index)  # fmt: skip
 
         return min(room, key=key).index
 
@@ -157,12 +157,9 @@ class MaskAware:
         assert w.cost is not None
         est = self.estimator(w.cost)
         # [work, steps left]; requests with no step left are in post-processing: not in a batch
-        held = [[self._work(est, q, w), 0.0] for q in w.requests]
-        for h, q in zip(held, w.requests, strict=True):
-            h[1] = max(0, h[0].steps - q.steps_done)
-        new = [self._work(est, request, w), 0.0]
-        new[1] = new[0].steps
-        line = [h for h in held if h[1] > 0] + [new]
+        held = [(work := self._work(est, q, w), work.steps - q.steps_done) for q in w.requests]
+        new = [(work := self._work(est, request, w)), work.steps]
+        line = [[h, left] for h, left in held if left > 0] + [new]
         B = w.max_batch if w.max_batch > 0 else len(line)
         t = 0.0
         while True:
@@ -187,11 +184,7 @@ class MaskAware:
 
 
 def make_policy(name: str) -> RoutingPolicy:
-    if name == MaskAware.name:
-        return MaskAware()
-    if name == RoundRobin.name:
-        return RoundRobin()
-    if name == LeastLoaded.name:
-        return LeastLoaded()
-    known = (MaskAware.name, LeastLoaded.name, RoundRobin.name)
-    raise ValueError(f"routing: unknown policy {name!r}; known: {', '.join(known)}")
+    policies = {p.name: p for p in (LeastLoaded, MaskAware, RoundRobin)}
+    if name not in policies:
+        raise ValueError(f"routing: unknown policy {name!r}; known: {', '.join(policies)}")
+    return policies[name]()
