@@ -34,7 +34,7 @@ from instgenie.engine.imageio import encode_image  # noqa: E402
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.engine.quality import psnr, ssim  # noqa: E402
 from instgenie.engine.request import EditRequest  # noqa: E402
-from instgenie.engine.stepbench import _template_image, ratio_mask  # noqa: E402
+from instgenie.engine.stepbench import ratio_mask, template_image  # noqa: E402
 from instgenie.engine.templates import TemplateSpec  # noqa: E402
 
 
@@ -111,7 +111,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         out_path.write_text(json.dumps(result, indent=1))
 
-    png = encode_image(_template_image(size), "png")
+    png = encode_image(template_image(size), "png")
     spec = TemplateSpec(image=png, prompt="a person", seed=0, num_inference_steps=args.steps)
     keys = {}
     for name, pipe in (("ideal", ideal), ("host", host), ("host8", host8)):

@@ -210,9 +210,9 @@ def step_rows(pipe, bench, ratios, batches, warmup, iters, log, modes=("off", "a
 def image_level(pipe, size, ratio, steps, log):
     """End-to-end single-request latency masked vs full, and SSIM/PSNR between the outputs."""
     dev = pipe.family.device
-    from instgenie.engine.stepbench import _template_image
+    from instgenie.engine.stepbench import template_image
 
-    png = encode_image(_template_image(size), "png")
+    png = encode_image(template_image(size), "png")
     t0 = time.perf_counter()
     key = pipe.build_template(
         TemplateSpec(image=png, prompt="a photo of a person", seed=0, num_inference_steps=steps)

@@ -28,7 +28,7 @@ from bench.bench_masked_step import environment  # noqa: E402
 from instgenie.engine.imageio import encode_image  # noqa: E402
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.engine.request import EditRequest  # noqa: E402
-from instgenie.engine.stepbench import StepBench, _template_image, ratio_mask  # noqa: E402
+from instgenie.engine.stepbench import StepBench, ratio_mask, template_image  # noqa: E402
 
 
 def stage_process(model: str, device: str, size: int, seconds: float) -> None:
@@ -36,7 +36,7 @@ def stage_process(model: str, device: str, size: int, seconds: float) -> None:
     from instgenie.engine.family import load_family
 
     pipe = EditPipeline(load_family(model, device=device, parts="stages"))
-    image = encode_image(_template_image(size), "png")
+    image = encode_image(template_image(size), "png")
     mask = encode_image(ratio_mask(size, size, 0.2, pipe.family.granule), "png")
     pre, post = [], []
 

@@ -174,33 +174,44 @@ def cmd_profile(args: argparse.Namespace) -> int:
     check_model_config(model)
     if args.disk_dir and not Path(args.disk_dir).is_dir():
         raise ValidationError("disk_dir", f"{args.disk_dir!r} is not a directory")
+    base = _stages_base(args.output) if args.stages_only else None
     with PendingOutput(Path(args.output)) as pending:  # -o checked before the profiling
-        prof = _profile(args, model, pending)
+        prof = _profile(args, model, pending, base)
     for line in r2_report(prof):
         print(line)
     print(f"wrote {args.output}")
     return 0
 
 
-def _profile(args: argparse.Namespace, model: ModelConfig, pending: PendingOutput):
+def _stages_base(path: str):
+    """The profile `--stages-only` adds its stage fits to (it must exist and parse)."""
+    from instgenie.cache.profiler import Profile
+
+    try:
+        return Profile.load_file(path)
+    except FileNotFoundError:
+        raise ValidationError(
+            "output", f"--stages-only adds to an existing profile; {path!r} does not exist"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValidationError("output", f"{path!r} is not a profile: {exc}") from None
+
+
+def _profile(args: argparse.Namespace, model: ModelConfig, pending: PendingOutput, base=None):
+    """Fit a whole profile; with `base` (--stages-only) time only the stages and replace that
+    profile's stage fits, after checking it was fitted for this model's blocks."""
     import platform
 
     import diffusers
     import torch
 
-    from instgenie.cache.profiler import fit_profile, profile_compute, profile_dram_load
+    from instgenie.cache import profiler as P
     from instgenie.engine.pipeline import EditPipeline
 
     pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype)
     fam = pipe.family
-    size = _bench_size(args.size, fam)
-    compute = profile_compute(pipe, size, args.batches, args.ratios, args.warmup, args.iters,
-                              log=lambda m: print(m, file=sys.stderr))  # fmt: skip
-    loads = {"dram": profile_dram_load(fam.device, args.load_mb)}
-    if args.disk_dir:
-        from instgenie.cache.profiler import profile_disk_load
-
-        loads["disk"] = profile_disk_load(args.disk_dir, args.disk_mb)
+    # --stages-only: at the profile's own size unless told
+    size = _bench_size(args.size if base is None or args.size else base.size, fam)
     device_name = (
         torch.cuda.get_device_name(fam.device) if fam.device.type == "cuda" else platform.machine()
     )
@@ -208,11 +219,29 @@ def _profile(args: argparse.Namespace, model: ModelConfig, pending: PendingOutpu
         "device_name": device_name,
         "torch": torch.__version__,
         "diffusers": diffusers.__version__,
-        "batches": args.batches,
-        "ratios": args.ratios,
-        "command": " ".join(sys.argv),
+        "command": args.command_line,
     }
-    prof = fit_profile(model.model, fam.device, fam.dtype, size, compute, loads, meta)
+    if base is not None:
+        try:
+            P.check_profile(base, fam, args.output)
+        except ValueError as exc:
+            raise ValidationError("output", str(exc)) from None
+    stages = P.profile_stages(pipe, P.stage_sizes(size, fam.granule), args.warmup, args.iters)
+    if base is not None:
+        base.stages = P.fit_stages(stages)
+        samples = {k: [[x, ms] for x, ms in v] for k, v in stages.items()}
+        base.meta = dict(base.meta, stage_samples=samples, stages_meta=meta)
+        prof = base
+    else:
+        log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+        compute = P.profile_compute(pipe, size, args.batches, args.ratios, args.warmup,
+                                    args.iters, log=log)  # fmt: skip
+        loads = {"dram": P.profile_dram_load(fam.device, args.load_mb)}
+        if args.disk_dir:
+            loads["disk"] = P.profile_disk_load(args.disk_dir, args.disk_mb)
+        meta.update(batches=args.batches, ratios=args.ratios)
+        prof = P.fit_profile(model.model, fam.device, fam.dtype, size, compute, loads, meta,
+                             stages)  # fmt: skip
     pending.commit(json.dumps(prof.to_json(), indent=1).encode())
     return prof
 
@@ -310,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--load-mb", type=_megabytes, nargs="+", default=[1, 4, 16, 64, 256])
     prof.add_argument("--disk-dir", default=None, help="profile the disk tier in this directory")
     prof.add_argument("--disk-mb", type=_megabytes, nargs="+", default=[4, 16, 64, 256])
+    prof.add_argument(
+        "--stages-only", action="store_true",
+        help="time only the loop's per-request encode/decode and replace those fits in the "
+        "existing profile -o (fitted for this model's blocks)",
+    )  # fmt: skip
     prof.set_defaults(func=cmd_profile)
 
     worker = sub.add_parser("worker", help="run one worker (denoise loop + pre/post processes)")
@@ -334,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    #: the command as run (recorded in outputs' provenance, e.g. a profile's meta)
+    args.command_line = " ".join(["instgenie", *(sys.argv[1:] if argv is None else argv)])
     try:
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C: no traceback, and no partial output (PendingOutput)

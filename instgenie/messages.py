@@ -25,7 +25,7 @@ import msgpack
 
 from instgenie.errors import InstGenIEError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MAX_MESSAGE_BYTES = 64 << 20  # default cap on one encoded message, bytes (tensors go via shm)
 MAX_DEPTH = 32  # nesting limit of `Any` values
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry
@@ -262,6 +262,10 @@ class CostSpec(Nested):  # what the router needs to price a worker's batch (loop
     #: the step outside its transformer blocks: fit of ms against batch rows * pixels; None:
     #: not in the profile (or no profile)
     other: CostFit | None = None
+    #: the loop's model work per request outside its steps, each a fit of ms against the
+    #: request's working pixels: "encode" (on receipt), "decode" (when it leaves the batch);
+    #: empty: not in the profile, or that work does not run in the loop (model_stages="process")
+    stages: dict[str, CostFit] = field(default_factory=dict)
     profile: str = ""  # the profile file's path, "" if none
 
 

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,6 +142,40 @@ def test_profile_refuses_bad_sizes_and_paths_before_profiling(tmp_path, capsys) 
     code = main(["profile", "--model", "sd2-inpaint:tiny", "-o", str(tmp_path / "file/p.json")])
     assert code == EXIT_INVALID_INPUT and "output: " in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "old.png"]
+
+
+def test_profile_stages_only_replaces_the_stage_fits_of_a_profile(tmp_path, capsys) -> None:
+    """`--stages-only` times the loop's encode/decode at the profile's own size and replaces
+    only those fits; it refuses a missing profile and one fitted for another model, leaving the
+    file as it was."""
+    from instgenie.cache.profiler import Profile
+
+    committed = Path(__file__).resolve().parents[1] / "profiles"
+    base = Profile.load_file(committed / "sdxl-inpaint-tiny-cpu.json")
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(dict(base.to_json(), stages={})))
+    args = ["profile", "--model", "sdxl-inpaint:tiny", "--stages-only", "--warmup", "0",
+            "--iters", "1", "-o", str(path)]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    new = Profile.load_file(path)
+    assert (new.compute, new.load, new.other, new.blocks) == (
+        base.compute, base.load, base.other, base.blocks)  # fmt: skip
+    assert {k: f.n for k, f in new.stages.items()} == {"encode": 3, "decode": 3}
+    s = base.size
+    assert [px for px, _ in new.meta["stage_samples"]["decode"]] == [
+        (s // 2) ** 2, (3 * s // 4) ** 2, s * s]  # fmt: skip
+    assert "--stages-only" in new.meta["stages_meta"]["command"]
+    assert new.meta["command"] == base.meta["command"]  # the compute fits' provenance stays
+    code = main([*args[:-1], str(tmp_path / "none.json")])
+    assert code == EXIT_INVALID_INPUT
+    assert "output: --stages-only adds to an existing profile" in capsys.readouterr().err
+    other = tmp_path / "flux.json"
+    other.write_bytes((committed / "flux-fill-full-h200.json").read_bytes())
+    before = other.read_bytes()
+    assert main([*args[:-1], str(other)]) == EXIT_INVALID_INPUT
+    assert "fitted for flux-fill:full" in capsys.readouterr().err
+    assert other.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flux.json", "p.json"]
 
 
 def test_worker_command_names_the_bad_field(capsys) -> None:

@@ -135,3 +135,41 @@ def test_profiling_fits_the_rest_of_the_step(tmp_path) -> None:  # noqa: ANN001
     old = prof.to_json()
     del old["other"]
     assert Profile.from_json(old).other is None
+
+
+def test_profiling_times_the_loops_encode_and_decode(monkeypatch) -> None:  # noqa: ANN001
+    """The loop's per-request model work is timed at 1/2, 3/4 and all of the profile's size
+    (whole granules) and fitted against pixels; what is timed is the pipeline's encode and its
+    decode (each slowed here by a known 20 ms, which the samples must contain); the fits survive
+    the JSON round trip, and a profile written before them loads with none."""
+    import time as _time
+
+    from instgenie.cache.profiler import STAGES, fit_stages, profile_stages, stage_sizes
+
+    pipe = EditPipeline(load_family("sdxl-inpaint:tiny"))
+    g = pipe.family.granule
+    assert stage_sizes(4 * g, g) == [2 * g, 3 * g, 4 * g] and stage_sizes(g, g) == [g]
+    calls = {"encode": 0, "decode": 0}
+    for stage, name in (("encode", "encode_inputs"), ("decode", "decode_latents")):
+        real = getattr(pipe, name)
+
+        def slowed(*a, _real=real, _stage=stage):  # noqa: ANN002, ANN202
+            calls[_stage] += 1
+            _time.sleep(0.02)
+            return _real(*a)
+
+        monkeypatch.setattr(pipe, name, slowed)
+    sizes = stage_sizes(4 * g, g)
+    samples = profile_stages(pipe, sizes, warmup=1, iters=2)
+    assert calls == {"encode": 3 * 3, "decode": 3 * 3}  # (warm-up + timed) runs per size
+    assert set(samples) == set(STAGES)
+    for pts in samples.values():
+        assert [px for px, _ in pts] == [s * s for s in sizes]
+        assert all(ms >= 20.0 for _, ms in pts), pts
+    fits = fit_stages(samples)
+    assert {k: f.n for k, f in fits.items()} == {"encode": 3, "decode": 3}
+    prof = dataclasses.replace(Profile.load_file(PROFILE), stages=fits)
+    assert Profile.from_json(prof.to_json()).stages == fits
+    old = prof.to_json()
+    del old["stages"]
+    assert Profile.from_json(old).stages == {}

@@ -23,7 +23,7 @@ from instgenie.engine.masked.tokens import pixel_mask_tensor
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
-from instgenie.messages import CostBlock, CostSpec
+from instgenie.messages import CostBlock, CostFit, CostSpec
 from instgenie.server.estimate import NOMINAL_FLOPS_PER_MS, Estimator, token_ratios
 from instgenie.server.routing import LeastLoaded, MaskAware, RouteRequest, WorkerView
 from tests.conftest import FAMILIES, make_image, png_bytes, tiny_pipeline
@@ -381,3 +381,85 @@ def test_a_worker_whose_cost_spec_cannot_be_fetched_still_starts(monkeypatch) ->
         assert pool.slots[0].state == "up" and pool.slots[0].cost is None
     finally:
         pool._executor.shutdown(wait=False)
+
+
+# ---- the loop's per-request work (profile stages) ------------------------------------------------
+
+FITTED = dataclasses.replace(SPEC, compute={
+    f"unet:{c}/{mode}": CostFit(slope=slope, intercept=0.05)
+    for c in (320, 640) for mode, slope in (("cached", 2e-12), ("full", 1.8e-12))
+})  # fmt: skip
+STAGES = {
+    "encode": CostFit(slope=1e-4, intercept=20.0),
+    "decode": CostFit(slope=5e-5, intercept=10.0),
+}
+STAGED = dataclasses.replace(FITTED, stages=STAGES)
+
+
+def _on(spec: CostSpec, w: WorkerView) -> WorkerView:
+    return dataclasses.replace(w, cost=spec)
+
+
+def test_the_loops_encode_and_decode_are_priced_between_steps() -> None:
+    """Held: a quarter-size full-path edit with 5 steps left and a masked edit not started. The
+    new edit's cost adds the two encodes (its own, and the held one's, which may not have run),
+    the decode of the edit leaving after 5 steps, and the batched decode of both at its end;
+    each at its own pixels. Without stage fits, or without a profile (nominal FLOP prices, other
+    units), none of it."""
+    quarter = dataclasses.replace(_req(None), pixels=PX // 4, steps_done=15)
+    fresh = _req("T")
+    w = _worker(0, [quarter, fresh])
+    policy = MaskAware()
+    est = policy.estimator(STAGED)
+    near, small = (
+        est.work(PX // 4, 20, None, None, None),
+        est.work(PX, 20, None, dict(RATIOS), "gpu"),
+    )
+
+    def enc(px: int) -> float:
+        return 1e-4 * px + 20.0
+
+    def dec(px: int) -> float:
+        return 5e-5 * px + 10.0
+
+    steps = 5 * est.step_ms([near, small, small]) + 15 * est.step_ms([small, small])
+    want = 2 * enc(PX) + steps + dec(PX // 4) + 2 * dec(PX)
+    assert policy.cost_ms(_req("T"), _on(STAGED, w)) == pytest.approx(want, rel=1e-12)
+    assert policy.cost_ms(_req("T"), _on(FITTED, w)) == pytest.approx(steps, rel=1e-12)
+    unfitted = dataclasses.replace(STAGED, compute={})
+    assert policy.estimator(unfitted).stage_ms("encode", PX) == 0.0
+    # a held request that has started was encoded: only the new one's encode is priced
+    started = dataclasses.replace(fresh, steps_done=1)
+    got = policy.cost_ms(_req("T"), _on(STAGED, _worker(0, [quarter, started])))
+    steps = 5 * est.step_ms([near, small, small]) + 14 * est.step_ms([small, small])
+    assert got == pytest.approx(enc(PX) + steps + dec(PX // 4) + dec(PX) + est.step_ms([small])
+                                + dec(PX), rel=1e-12)  # fmt: skip
+
+
+def test_decodes_of_requests_about_to_leave_change_the_choice() -> None:
+    """Worker 0 holds four small edits with one step left, worker 1 one full-path edit half
+    done. By steps alone worker 0 is cheaper (four cheap steps shared once); with the loop's
+    decode of the four before the new edit's second step, worker 1 is."""
+    almost = dataclasses.replace(_req("T"), steps_done=19)
+    busy = dataclasses.replace(_req(None), steps_done=10)
+    policy = MaskAware()
+    for spec, choice in ((FITTED, 0), (STAGED, 1)):
+        workers = [_on(spec, _worker(0, [almost] * 4)), _on(spec, _worker(1, [busy]))]
+        assert policy.choose(_req("T"), workers) == choice, spec.stages
+    assert LeastLoaded().choose(_req("T"), workers) == 1
+
+
+def test_the_cost_spec_carries_stage_fits_only_where_the_loop_runs_them() -> None:
+    """The profile's encode/decode fits hold up the loop's steps only where the loop runs them
+    (model_stages="loop", the default); with model_stages="process" they run beside it."""
+    pipe = _profiled_pipe(1e-9)
+    fits = pipe.cost_model.profile.stages
+    assert set(fits) == {"encode", "decode"}  # the committed tiny profile has them
+    spec = cost_spec(pipe, str(PROFILE))
+    assert {k: (f.slope, f.intercept) for k, f in spec.stages.items()} == {
+        k: (f.slope, f.intercept) for k, f in fits.items()
+    }
+    assert cost_spec(pipe, str(PROFILE), loop_stages=False).stages == {}
+    assert Estimator(spec).stage_ms("decode", 128 * 128) == pytest.approx(
+        fits["decode"].predict(128 * 128), rel=1e-12
+    )

@@ -13,7 +13,9 @@ from instgenie.cache.costs import block_dims
 from instgenie.messages import CostBlock, CostFit, CostSpec
 
 
-def cost_spec(pipe, profile_path: str = "") -> CostSpec:  # noqa: ANN001 - an EditPipeline
+def cost_spec(pipe, profile_path: str = "", loop_stages: bool = True) -> CostSpec:  # noqa: ANN001
+    """`pipe`: the loop's EditPipeline; `loop_stages`: its process runs each request's encode and
+    decode (model_stages="loop" or inline stages), so they hold up its steps and are priced."""
     fam = pipe.family
     blocks = []
     for b in fam.masked.blocks:
@@ -25,6 +27,7 @@ def cost_spec(pipe, profile_path: str = "") -> CostSpec:  # noqa: ANN001 - an Ed
     compute: dict[str, CostFit] = {}
     load: dict[str, CostFit] = {}
     other = None
+    stages: dict[str, CostFit] = {}
     profile = pipe.cost_model.profile if pipe.cost_model is not None else None
     if profile is not None:
         if profile.other is not None:
@@ -33,6 +36,9 @@ def cost_spec(pipe, profile_path: str = "") -> CostSpec:  # noqa: ANN001 - an Ed
             for mode, f in fits.items():
                 compute[f"{cls}/{mode}"] = CostFit(slope=f.slope, intercept=f.intercept)
         load = {t: CostFit(slope=f.slope, intercept=f.intercept) for t, f in profile.load.items()}
+        if loop_stages:
+            stages = {k: CostFit(slope=f.slope, intercept=f.intercept)
+                      for k, f in profile.stages.items()}  # fmt: skip
     return CostSpec(
         model=str(fam.spec),
         granule=int(fam.granule),
@@ -45,5 +51,6 @@ def cost_spec(pipe, profile_path: str = "") -> CostSpec:  # noqa: ANN001 - an Ed
         compute=compute,
         load=load,
         other=other,
+        stages=stages,
         profile=profile_path if profile is not None else "",
     )

@@ -8,8 +8,11 @@ latency_ms = slope * FLOPs + intercept, FLOPs from instgenie.cache.costs (paper 
 keys/values over all tokens). The rest of the step (everything outside the transformer blocks:
 ResNets, norms, the scheduler; what the whole step takes beyond its blocks) gets one model,
 latency_ms = slope * (batch rows * pixels) + intercept ("other"; the router adds it to a batch's
-price, the load planner does not need it). Load: host -> device copies of growing sizes per tier
-("dram" = pinned host memory; "disk" = reading a checksummed entry into host memory),
+price, the load planner does not need it). Stages: the denoise loop's model work per request
+outside its steps (model_stages="loop"): "encode" (prompt and VAE encode, initial noise) and
+"decode" (VAE decode), latency_ms = slope * pixels + intercept at a few working sizes (the
+router adds them to its simulation of a worker's loop). Load: host -> device copies of growing
+sizes per tier ("dram" = pinned host memory; "disk" = reading a checksummed entry into host memory),
 latency_ms = slope * bytes + intercept. The output JSON holds the fits, their R², and the raw
 samples.
 """
@@ -21,7 +24,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +34,8 @@ from sklearn.linear_model import LinearRegression
 from instgenie.cache.costs import BlockDims, batch_flops, block_dims
 
 MODES = ("cached", "full")
+#: the loop's per-request model work outside its steps, fitted against pixels
+STAGES = ("encode", "decode")
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,9 @@ class Profile:
     #: the step outside its blocks: fit of ms against batch rows * pixels; None in profiles
     #: fitted before it was measured
     other: LinearFit | None = None
+    #: stage (STAGES) -> fit of ms against working pixels of one request; empty in profiles
+    #: fitted before they were measured
+    stages: dict[str, LinearFit] = field(default_factory=dict)
 
     def compute_ms(self, block_id: int, mode: str, flops: float) -> float:
         return self.compute[self.blocks[block_id]][mode].predict(flops)
@@ -87,6 +95,7 @@ class Profile:
             "load": {t: asdict(f) for t, f in self.load.items()},
             "blocks": {str(b): c for b, c in self.blocks.items()},
             "other": asdict(self.other) if self.other is not None else None,
+            "stages": {k: asdict(f) for k, f in self.stages.items()},
             "meta": self.meta,
         }  # fmt: skip
 
@@ -105,6 +114,7 @@ class Profile:
             blocks={int(b): c for b, c in data["blocks"].items()},
             meta=data.get("meta", {}),
             other=LinearFit(**data["other"]) if data.get("other") else None,
+            stages={k: LinearFit(**f) for k, f in (data.get("stages") or {}).items()},
         )
 
     @classmethod
@@ -204,6 +214,53 @@ def _time_blocks(pipe, bench, states, warmup: int, iters: int) -> tuple[dict[int
     return {b: statistics.median(v) for b, v in runs.items()}, statistics.median(steps)
 
 
+def stage_sizes(size: int, granule: int) -> list[int]:
+    """Working sizes (square, pixels a side) the stages are timed at: 1/2, 3/4 and all of the
+    profile's size, each a whole number of granules (at least one)."""
+    return sorted({max(granule, size * k // 4 // granule * granule) for k in (2, 3, 4)})
+
+
+def profile_stages(pipe, sizes, warmup: int, iters: int) -> dict[str, list[tuple[int, float]]]:
+    """{stage: [(pixels, median ms), ...]} of the loop's per-request model work at each working
+    size: "encode" = EditPipeline.encode_inputs of one decoded edit (prompt encoders, VAE encode,
+    initial noise), "decode" = EditPipeline.decode_latents of that one request. Wall time with
+    the device synchronised, as the loop waits for both. Every run has its own prompt (no
+    encoder output is reused)."""
+    from instgenie.engine.imageio import encode_image
+    from instgenie.engine.request import EditRequest
+    from instgenie.engine.stepbench import ratio_mask, template_image
+
+    device = pipe.family.device
+    out: dict[str, list[tuple[int, float]]] = {s: [] for s in STAGES}
+    for size in sizes:
+        mask = encode_image(ratio_mask(size, size, 0.2, pipe.family.granule), "png")
+        image = encode_image(template_image(size), "png")
+        times: dict[str, list[float]] = {s: [] for s in STAGES}
+        for i in range(warmup + iters):
+            req = EditRequest(uid=f"stage{i}", image=image, mask=mask,
+                              prompt=f"a stage profile {size} {i}", seed=i)  # fmt: skip
+            inputs = pipe.decode_inputs(req)
+            _sync(device)
+            t0 = time.perf_counter()
+            state = pipe.encode_inputs(inputs)
+            _sync(device)
+            t1 = time.perf_counter()
+            pipe.decode_latents([state])
+            _sync(device)
+            t2 = time.perf_counter()
+            if i >= warmup:
+                times["encode"].append(1e3 * (t1 - t0))
+                times["decode"].append(1e3 * (t2 - t1))
+        for s in STAGES:
+            out[s].append((size * size, statistics.median(times[s])))
+    return out
+
+
+def fit_stages(samples: dict[str, list[tuple[int, float]]]) -> dict[str, LinearFit]:
+    return {s: LinearFit.fit([x for x, _ in pts], [ms for _, ms in pts])
+            for s, pts in samples.items() if pts}  # fmt: skip
+
+
 def profile_dram_load(device: torch.device, sizes_mb, iters: int = 5) -> list[tuple[int, float]]:
     """(bytes, ms) of host -> device copies from pinned host memory (plain memory on CPU)."""
     out = []
@@ -278,6 +335,7 @@ def fit_profile(
     compute: dict,
     loads: dict[str, list[tuple[int, float]]],
     meta: dict,
+    stages: dict[str, list[tuple[int, float]]] | None = None,
 ) -> Profile:
     fits = {
         cls: {mode: LinearFit.fit([f for f, _ in pts], [t for _, t in pts])
@@ -294,11 +352,13 @@ def fit_profile(
     load_samples = {t: [[b, ms] for b, ms in pts] for t, pts in loads.items()}
     pts = compute.get("other") or []
     other = LinearFit.fit([x for x, _ in pts], [ms for _, ms in pts]) if pts else None
+    stages = stages or {}
     meta = dict(meta, compute_samples=samples, load_samples=load_samples,
-                other_samples=[[float(x), float(ms)] for x, ms in pts])  # fmt: skip
+                other_samples=[[float(x), float(ms)] for x, ms in pts],
+                stage_samples={k: [[x, ms] for x, ms in v] for k, v in stages.items()})  # fmt: skip
     return Profile(
         model, str(device), str(dtype).removeprefix("torch."), size, fits, load_fits,
-        compute["blocks"], meta, other,
+        compute["blocks"], meta, other, fit_stages(stages),
     )  # fmt: skip
 
 
@@ -314,6 +374,11 @@ def r2_report(profile: Profile) -> list[str]:
         f = profile.other
         lines.append(
             f"rest of the step       : ms = {f.slope * 1e6:.4f}/Mpx-row * rows*pixels "
+            f"+ {f.intercept:.4f}   R² = {f.r2:.4f} (n = {f.n})"
+        )
+    for stage, f in sorted(profile.stages.items()):
+        lines.append(
+            f"stage   {stage:>18}       : ms = {f.slope * 1e6:.4f}/Mpx * pixels "
             f"+ {f.intercept:.4f}   R² = {f.r2:.4f} (n = {f.n})"
         )
     for tier, f in sorted(profile.load.items()):

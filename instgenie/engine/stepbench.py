@@ -43,7 +43,7 @@ def ratio_mask(width: int, height: int, ratio: float, granule: int) -> Image.Ima
     return m
 
 
-def _template_image(size: int) -> Image.Image:
+def template_image(size: int) -> Image.Image:
     """A deterministic, non-constant RGB template (gradients, waves, noise)."""
     rng = np.random.default_rng(0)
     y, x = np.mgrid[0:size, 0:size] / size
@@ -61,7 +61,7 @@ class StepBench:
 
     @classmethod
     def setup(cls, pipe: EditPipeline, size: int) -> StepBench:
-        png = encode_image(_template_image(size), "png")
+        png = encode_image(template_image(size), "png")
         key = pipe.build_template(
             TemplateSpec(image=png, prompt="a photo", seed=0, num_inference_steps=BENCH_STEPS)
         )

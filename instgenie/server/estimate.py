@@ -8,9 +8,13 @@ batch's masked compute ("cached" fit at the batch's FLOPs), its full compute ("f
 loads of cached rows not resident on the GPU, and the load planner's optimal plan (cache.planner,
 the paper's Algorithm 1) over them; plus the rest of the step (ResNets, norms, the scheduler: the
 profile's "other" fit at the batch's rows * pixels), which a masked request pays in full.
-Without a profile the fits are replaced by FLOPs at a nominal `NOMINAL_FLOPS_PER_MS` (relative
-prices), nothing is loaded and the rest of the step is not priced. Not priced either: pre/post
-processing. Pure Python (no torch): it runs in the API process.
+`stage_ms` prices the loop's work per request outside its steps (prompt and VAE encode on
+receipt, VAE decode when it leaves; the profile's "stages" fits, sent only where that work runs in
+the loop's process), which the router's simulation adds between steps. Without a profile the
+fits are replaced by FLOPs at a nominal `NOMINAL_FLOPS_PER_MS` (relative prices), nothing is
+loaded, and neither the rest of the step nor the stages are priced. Not priced: the CPU work of
+the pre/post processes (image decode, paste-back, encode), which runs beside the loop. Pure
+Python (no torch): it runs in the API process.
 """
 
 from __future__ import annotations
@@ -168,6 +172,13 @@ class Estimator:
     def other_ms(self, rows_pixels: int) -> float:
         """The step outside its transformer blocks for `rows_pixels` = batch rows * pixels."""
         return self._fit_ms(self.spec.other, rows_pixels) if self.spec.other is not None else 0.0
+
+    def stage_ms(self, stage: str, pixels: int) -> float:
+        """The loop's `stage` ("encode" | "decode") of one request of `pixels`, ms; 0 when the
+        worker's spec has no fit for it, or prices steps in nominal FLOPs (other units)."""
+        if not self.fitted:
+            return 0.0
+        return self._fit_ms(self.spec.stages.get(stage), pixels)
 
     def _compute_ms(self, d: BlockDims, mode: str, flops: float) -> float:
         if not self.fitted:

@@ -110,16 +110,20 @@ class LeastLoaded:
 class MaskAware:
     """Paper §4.4, Algorithm 2: the worker where the request is predicted to finish first.
 
-    Cost of worker w for request r, ms: the time until r's last step on w, simulated step by
-    step from what w holds. Each held request has its remaining steps (its steps minus the
-    Progress it reported); at most B (WorkerConfig.max_batch) run per step, in arrival order, r
-    last. Until r finishes: the running batch takes one step of estimate.Estimator.step_ms (the
-    worker's own load planner pricing that batch with its fitted latency models, each request at
-    its mask's token counts, on the full path where its template's cache is not ready there,
-    with host -> GPU loads where the cache is not on the GPU, plus the rest of the step); a
-    request leaves after its last step and the next waiting one joins. (The paper prices one
-    step of the worker's batch with r added; the simulation also counts the steps r shares with
-    requests about to finish, and the wait for a place.)
+    Cost of worker w for request r, ms: the time until r's result is decoded on w, simulated
+    step by step from what w holds. Each held request has its remaining steps (its steps minus
+    the Progress it reported); at most B (WorkerConfig.max_batch) run per step, in arrival
+    order, r last. First the loop encodes r and every held request that has done no step yet (an
+    upper bound: such a request may be encoded already). Until r finishes: the running batch
+    takes one step of estimate.Estimator.step_ms (the worker's own load planner pricing that
+    batch with its fitted latency models, each request at its mask's token counts, on the full
+    path where its template's cache is not ready there, with host -> GPU loads where the cache
+    is not on the GPU, plus the rest of the step); a request leaves after its last step, the
+    loop decodes it before the next step, and the next waiting one joins. r's cost ends with
+    the decode of the requests leaving with it (one batched decode). Encode and decode are the
+    profile's stage fits (0 where the worker sent none). (The paper prices one step of the
+    worker's batch with r added; the simulation also counts the steps r shares with requests
+    about to finish, the wait for a place, and the loop's per-request work between steps.)
     Ties go to a worker holding the template's cache, then to the lower slot occupancy and
     index. When a candidate has not reported its CostSpec, the decision is least-loaded's.
     """
@@ -161,15 +165,18 @@ class MaskAware:
         new = [(work := self._work(est, request, w)), work.steps]
         line = [[h, left] for h, left in held if left > 0] + [new]
         B = w.max_batch if w.max_batch > 0 else len(line)
-        t = 0.0
+        fresh = [q.pixels for q in w.requests if q.steps_done == 0] + [request.pixels]
+        t = sum(est.stage_ms("encode", px) for px in fresh)
         while True:
             running = line[:B]
             k = min(r[1] for r in running)  # steps until the next one leaves
             t += k * est.step_ms([r[0] for r in running])
-            if any(r is new for r in running) and new[1] <= k:
-                return t
+            if any(r is new for r in running) and new[1] <= k:  # decoded with those leaving too
+                return t + sum(est.stage_ms("decode", r[0].pixels) for r in running if r[1] <= k)
             for r in running:
                 r[1] -= k
+                if r[1] <= 0:
+                    t += est.stage_ms("decode", r[0].pixels)
             line = [r for r in line if r[1] > 0]
 
     @staticmethod

@@ -369,6 +369,6 @@ def run(rt: ChildRuntime) -> None:
     if not inline:
         forbid_codec_in_this_process()
     loop = Loop(rt, pipe, Stages(pipe) if inline else None)
-    rt.ready(cost_spec(pipe, rt.wcfg.profile))
+    rt.ready(cost_spec(pipe, rt.wcfg.profile, loop_stages=stages_here))
     with torch.inference_mode():
         loop.run()
