@@ -144,6 +144,32 @@ def test_profile_refuses_bad_sizes_and_paths_before_profiling(tmp_path, capsys) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "old.png"]
 
 
+def test_profile_writes_every_fit_the_planner_and_router_read(tmp_path, capsys) -> None:
+    """A whole (small) `instgenie profile` run: compute fits per block class and mode, the DRAM
+    load fit, the rest of the step, the loop's stages, and the command that made them."""
+    from instgenie.cache.profiler import MODES, STAGES, Profile, check_profile
+
+    out = tmp_path / "p.json"
+    code = main(["profile", "--model", "sdxl-inpaint:tiny", "--size", "128", "--batches", "1",
+                 "--ratios", "0.2", "1.0", "--warmup", "0", "--iters", "1", "--load-mb", "1", "2",
+                 "-o", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    prof = Profile.load_file(out)
+    check_profile(prof, _tiny_family())
+    assert all(set(fits) == set(MODES) for fits in prof.compute.values())
+    assert set(prof.load) == {"dram"} and prof.other is not None and prof.other.n == 4
+    assert set(prof.stages) == set(STAGES) and all(f.n == 3 for f in prof.stages.values())
+    assert [px for px, _ in prof.meta["stage_samples"]["encode"]] == [64**2, 96**2, 128**2]
+    assert prof.meta["command"].startswith("instgenie profile --model sdxl-inpaint:tiny")
+    assert "stage               encode" in capsys.readouterr().out
+
+
+def _tiny_family():
+    from instgenie.engine.family import load_family
+
+    return load_family("sdxl-inpaint:tiny")
+
+
 def test_profile_stages_only_replaces_the_stage_fits_of_a_profile(tmp_path, capsys) -> None:
     """`--stages-only` times the loop's encode/decode at the profile's own size and replaces
     only those fits; it refuses a missing profile and one fitted for another model, leaving the
