@@ -9,7 +9,7 @@
 # SLO_MS (5000), PORT (8000), OUT (directory for the reports and the server log), DEVICE (one
 # worker per device, comma-separated), ROUTING (server default if empty), PROFILE (latency
 # profile JSON, none if empty), MODES ("masked full"), FULL_FRACTION (0.25, mode mixed),
-# MASK_RATIOS (loadtest default if empty), TEMPLATES (2).
+# MASK_RATIOS (loadtest default if empty), TEMPLATES (2), SEED (0: arrivals, masks, full draws).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL="${MODEL:-sdxl-inpaint:full}" SIZE="${SIZE:-1024}" STEPS="${STEPS:-20}"
@@ -34,7 +34,7 @@ for _ in $(seq 900); do
   sleep 1
 done
 common=(--server "http://127.0.0.1:$PORT" --size "$SIZE" --templates "$TEMPLATES"
-        --requests "$REQUESTS" --slo-ms "$SLO_MS" --seed 0 --wait-ready-s 60)
+        --requests "$REQUESTS" --slo-ms "$SLO_MS" --seed "${SEED:-0}" --wait-ready-s 60)
 [ -n "${MASK_RATIOS:-}" ] && common+=(--mask-ratios "$MASK_RATIOS")
 for mode in $MODES; do
   case "$mode" in
