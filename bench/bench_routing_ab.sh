@@ -24,6 +24,7 @@ for policy in ${POLICIES:-least-loaded mask-aware}; do
   timeout "${RUN_TIMEOUT_S:-330}" env DEVICE="$DEVICE" MODEL="$MODEL" ROUTING="$policy" \
       PROFILE="$PROFILE" MODES="${MODES:-mixed}" FULL_FRACTION="${FULL_FRACTION:-0.3}" \
       OUT="$OUT/$policy" bash bench/bench_serving.sh || echo "== $policy: exit $?"
-  pkill -TERM -f "instgenie.server serve" 2>/dev/null && sleep 5  # a server a timeout left
+  # a server a timeout left behind (this script's port only)
+  pkill -TERM -f "instgenie.server serve .*--port ${PORT:-8000}( |$)" 2>/dev/null && sleep 5
 done
 echo "== done $(date +%T)"

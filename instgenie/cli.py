@@ -208,10 +208,20 @@ def _profile(args: argparse.Namespace, model: ModelConfig, pending: PendingOutpu
     from instgenie.cache import profiler as P
     from instgenie.engine.pipeline import EditPipeline
 
+    if base is not None and torch.device(model.device).type != torch.device(base.device).type:
+        raise ValidationError(
+            "device", f"{args.output} was fitted on {base.device}; its stages cannot be timed "
+            f"on {model.device} (pass --device)",
+        )  # fmt: skip
     pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype)
     fam = pipe.family
+    dtype = str(fam.dtype).removeprefix("torch.")
+    if base is not None and dtype != base.dtype:
+        raise ValidationError(
+            "dtype", f"{args.output} was fitted in {base.dtype}, not {dtype} (pass --dtype)"
+        )
     # --stages-only: at the profile's own size unless told
-    size = _bench_size(args.size if base is None or args.size else base.size, fam)
+    size = _bench_size(args.size if base is None or args.size is not None else base.size, fam)
     device_name = (
         torch.cuda.get_device_name(fam.device) if fam.device.type == "cuda" else platform.machine()
     )
@@ -220,6 +230,8 @@ def _profile(args: argparse.Namespace, model: ModelConfig, pending: PendingOutpu
         "torch": torch.__version__,
         "diffusers": diffusers.__version__,
         "command": args.command_line,
+        "device": str(fam.device),
+        "dtype": dtype,
     }
     if base is not None:
         try:

@@ -191,17 +191,32 @@ def test_profile_stages_only_replaces_the_stage_fits_of_a_profile(tmp_path, caps
     assert [px for px, _ in new.meta["stage_samples"]["decode"]] == [
         (s // 2) ** 2, (3 * s // 4) ** 2, s * s]  # fmt: skip
     assert "--stages-only" in new.meta["stages_meta"]["command"]
+    assert (new.meta["stages_meta"]["device"], new.meta["stages_meta"]["dtype"]) == (
+        "cpu", base.dtype)  # fmt: skip
     assert new.meta["command"] == base.meta["command"]  # the compute fits' provenance stays
     code = main([*args[:-1], str(tmp_path / "none.json")])
     assert code == EXIT_INVALID_INPUT
     assert "output: --stages-only adds to an existing profile" in capsys.readouterr().err
     other = tmp_path / "flux.json"
-    other.write_bytes((committed / "flux-fill-full-h200.json").read_bytes())
+    flux = json.loads((committed / "flux-fill-full-h200.json").read_text())
+    other.write_text(json.dumps(dict(flux, device="cpu", dtype=base.dtype)))  # blocks differ
     before = other.read_bytes()
     assert main([*args[:-1], str(other)]) == EXIT_INVALID_INPUT
     assert "fitted for flux-fill:full" in capsys.readouterr().err
     assert other.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["flux.json", "p.json"]
+    # a profile fitted on another device or dtype: its stages would be another machine's
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps(dict(base.to_json(), device="cuda:0")))
+    assert main([*args[:-1], str(gpu)]) == EXIT_INVALID_INPUT
+    err = capsys.readouterr().err
+    assert "device: " in err and "was fitted on cuda:0" in err
+    half = tmp_path / "half.json"
+    half.write_text(json.dumps(dict(base.to_json(), dtype="float16")))
+    before = half.read_bytes()
+    assert main([*args[:-1], str(half)]) == EXIT_INVALID_INPUT
+    assert "dtype: " in capsys.readouterr().err and half.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "flux.json", "gpu.json", "half.json", "p.json"]  # fmt: skip
 
 
 def test_worker_command_names_the_bad_field(capsys) -> None:

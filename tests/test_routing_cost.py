@@ -446,7 +446,6 @@ def test_decodes_of_requests_about_to_leave_change_the_choice() -> None:
     for spec, choice in ((FITTED, 0), (STAGED, 1)):
         workers = [_on(spec, _worker(0, [almost] * 4)), _on(spec, _worker(1, [busy]))]
         assert policy.choose(_req("T"), workers) == choice, spec.stages
-    assert LeastLoaded().choose(_req("T"), workers) == 1
 
 
 def test_the_cost_spec_carries_stage_fits_only_where_the_loop_runs_them() -> None:

@@ -145,6 +145,32 @@ def test_the_loop_reports_its_cost_spec(cont) -> None:
     assert handle.client.stats() and handle.client.cost_spec() == spec  # plain Stats unaffected
 
 
+@pytest.mark.parametrize("model_stages", ["loop", "process"])
+def test_stage_fits_reach_the_router_only_where_the_loop_runs_the_stages(
+    model_stages: str, tmp_path
+) -> None:  # noqa: ANN001
+    """With a profile, the loop's CostSpec carries its fits; the encode/decode fits only when
+    the loop process runs those stages (between its steps), not when the pre/post processes do."""
+    import json
+
+    from instgenie.cache.profiler import MODES, LinearFit, Profile, block_class, family_block_dims
+
+    dims = family_block_dims(tiny_pipeline(MODEL).family)
+    flat = LinearFit(1e-9, 0.1, 1.0, 2)
+    prof = Profile(
+        model=f"{MODEL}:tiny", device="cpu", dtype="float32", size=SIZE,
+        compute={block_class(d): dict.fromkeys(MODES, flat) for d in dims.values()},
+        load={"dram": flat}, blocks={b: block_class(d) for b, d in dims.items()}, meta={},
+        other=flat, stages={"encode": flat, "decode": flat},
+    )  # fmt: skip
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof.to_json()))
+    with _worker(_config(model_stages=model_stages, profile=str(path))) as (handle, _):
+        spec = handle.client.cost_spec()
+    assert spec.profile == str(path) and spec.compute and spec.other is not None
+    assert set(spec.stages) == ({"encode", "decode"} if model_stages == "loop" else set())
+
+
 def test_output_equals_direct_pipeline(cont) -> None:
     handle, _ = cont
     fields = _fields("exact", 4, seed=7, prompt="a straw hat", output_format="png")

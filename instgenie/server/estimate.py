@@ -13,8 +13,11 @@ receipt, VAE decode when it leaves; the profile's "stages" fits, sent only where
 the loop's process), which the router's simulation adds between steps. Without a profile the
 fits are replaced by FLOPs at a nominal `NOMINAL_FLOPS_PER_MS` (relative prices), nothing is
 loaded, and neither the rest of the step nor the stages are priced. Not priced: the CPU work of
-the pre/post processes (image decode, paste-back, encode), which runs beside the loop. Pure
-Python (no torch): it runs in the API process.
+pre/post-processing (image decode, paste-back, image encode). It runs beside the loop in the
+pre/post processes, except under the naive-continuous policy, which runs it inline (there the
+loop's per-request work is underpriced). Nor the slowdown that stages run by the pre/post
+processes on the loop's own GPU cause (model_stages="process" without a stage_device; decision
+0009). Pure Python (no torch): it runs in the API process.
 """
 
 from __future__ import annotations

@@ -157,7 +157,8 @@ class MaskAware:
         return min(room, key=key).index
 
     def cost_ms(self, request: RouteRequest, w: WorkerView) -> float:
-        """Predicted time from now to `request`'s last step on `w` (the simulation above), ms."""
+        """Predicted time from now until `request`'s result is decoded on `w` (the simulation
+        above), ms."""
         assert w.cost is not None
         est = self.estimator(w.cost)
         # [work, steps left]; requests with no step left are in post-processing: not in a batch
