@@ -38,7 +38,8 @@ def sdxl_spec() -> CostSpec:
         default_steps=20, cache_dtype="float16", blocks=blocks,
         compute={f"{c}/{m}": fit(f) for c, fits in prof.compute.items() for m, f in fits.items()},
         load={t: fit(f) for t, f in prof.load.items()},
-        other=fit(prof.other) if prof.other is not None else None, profile=str(PROFILE),
+        other=fit(prof.other) if prof.other is not None else None,
+        stages={k: fit(f) for k, f in prof.stages.items()}, profile=str(PROFILE),
     )  # fmt: skip
 
 
