@@ -18,8 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
+from instgenie.cache.costspec import profile_fits
 from instgenie.cache.profiler import Profile
-from instgenie.messages import CostBlock, CostFit, CostSpec
+from instgenie.messages import CostBlock, CostSpec
 from instgenie.server.routing import MaskAware, RouteRequest, WorkerView
 
 PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "sdxl-inpaint-full-h200.json"
@@ -32,14 +33,10 @@ def sdxl_spec() -> CostSpec:
         c, s = (640, 16) if i < 10 else (1280, 32)
         blocks.append(CostBlock(block_id=i, kind="unet", channels=c, ff_macs=12 * c * c,
                                 context_dim=2048, mlp=0, stride=s))  # fmt: skip
-    fit = lambda f: CostFit(slope=f.slope, intercept=f.intercept)  # noqa: E731
     return CostSpec(
         model=prof.model, granule=32, text_len=77, cfg=True, default_guidance=5.0,
-        default_steps=20, cache_dtype="float16", blocks=blocks,
-        compute={f"{c}/{m}": fit(f) for c, fits in prof.compute.items() for m, f in fits.items()},
-        load={t: fit(f) for t, f in prof.load.items()},
-        other=fit(prof.other) if prof.other is not None else None,
-        stages={k: fit(f) for k, f in prof.stages.items()}, profile=str(PROFILE),
+        default_steps=20, cache_dtype="float16", blocks=blocks, **profile_fits(prof),
+        profile=str(PROFILE),
     )  # fmt: skip
 
 

@@ -240,9 +240,8 @@ def _profile(args: argparse.Namespace, model: ModelConfig, pending: PendingOutpu
             raise ValidationError("output", str(exc)) from None
     stages = P.profile_stages(pipe, P.stage_sizes(size, fam.granule), args.warmup, args.iters)
     if base is not None:
-        base.stages = P.fit_stages(stages)
-        samples = {k: [[x, ms] for x, ms in v] for k, v in stages.items()}
-        base.meta = dict(base.meta, stage_samples=samples, stages_meta=meta)
+        base.set_stages(stages)
+        base.meta["stages_meta"] = meta
         prof = base
     else:
         log = lambda m: print(m, file=sys.stderr)  # noqa: E731

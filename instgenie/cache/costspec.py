@@ -24,21 +24,7 @@ def cost_spec(pipe, profile_path: str = "", loop_stages: bool = True) -> CostSpe
             block_id=b.block_id, kind=d.kind, channels=d.channels, ff_macs=d.ff_macs,
             context_dim=d.context_dim, mlp=d.mlp, stride=fam.token_stride * 2**b.level,
         ))  # fmt: skip
-    compute: dict[str, CostFit] = {}
-    load: dict[str, CostFit] = {}
-    other = None
-    stages: dict[str, CostFit] = {}
     profile = pipe.cost_model.profile if pipe.cost_model is not None else None
-    if profile is not None:
-        if profile.other is not None:
-            other = CostFit(slope=profile.other.slope, intercept=profile.other.intercept)
-        for cls, fits in profile.compute.items():
-            for mode, f in fits.items():
-                compute[f"{cls}/{mode}"] = CostFit(slope=f.slope, intercept=f.intercept)
-        load = {t: CostFit(slope=f.slope, intercept=f.intercept) for t, f in profile.load.items()}
-        if loop_stages:
-            stages = {k: CostFit(slope=f.slope, intercept=f.intercept)
-                      for k, f in profile.stages.items()}  # fmt: skip
     return CostSpec(
         model=str(fam.spec),
         granule=int(fam.granule),
@@ -48,9 +34,21 @@ def cost_spec(pipe, profile_path: str = "", loop_stages: bool = True) -> CostSpe
         default_steps=int(fam.default_steps),
         cache_dtype=str(pipe.store_dtype()).removeprefix("torch."),
         blocks=blocks,
-        compute=compute,
-        load=load,
-        other=other,
-        stages=stages,
+        **(profile_fits(profile, loop_stages) if profile is not None else {}),
         profile=profile_path if profile is not None else "",
     )
+
+
+def profile_fits(profile, loop_stages: bool = True) -> dict:  # noqa: ANN001 - a Profile
+    """CostSpec's fit fields (compute, load, other, stages) from a fitted latency profile."""
+
+    def fit(f) -> CostFit:  # noqa: ANN001 - a profiler.LinearFit
+        return CostFit(slope=f.slope, intercept=f.intercept)
+
+    return {
+        "compute": {f"{c}/{m}": fit(f) for c, fits in profile.compute.items()
+                    for m, f in fits.items()},
+        "load": {t: fit(f) for t, f in profile.load.items()},
+        "other": fit(profile.other) if profile.other is not None else None,
+        "stages": {k: fit(f) for k, f in profile.stages.items()} if loop_stages else {},
+    }  # fmt: skip

@@ -81,6 +81,12 @@ class Profile:
     #: fitted before they were measured
     stages: dict[str, LinearFit] = field(default_factory=dict)
 
+    def set_stages(self, samples: dict[str, list[tuple[int, float]]]) -> None:
+        """Fit the stages from their (pixels, ms) samples and keep the samples in meta."""
+        self.stages = fit_stages(samples)
+        self.meta = dict(self.meta, stage_samples={k: [[x, ms] for x, ms in v]
+                                                   for k, v in samples.items()})  # fmt: skip
+
     def compute_ms(self, block_id: int, mode: str, flops: float) -> float:
         return self.compute[self.blocks[block_id]][mode].predict(flops)
 
@@ -352,14 +358,14 @@ def fit_profile(
     load_samples = {t: [[b, ms] for b, ms in pts] for t, pts in loads.items()}
     pts = compute.get("other") or []
     other = LinearFit.fit([x for x, _ in pts], [ms for _, ms in pts]) if pts else None
-    stages = stages or {}
     meta = dict(meta, compute_samples=samples, load_samples=load_samples,
-                other_samples=[[float(x), float(ms)] for x, ms in pts],
-                stage_samples={k: [[x, ms] for x, ms in v] for k, v in stages.items()})  # fmt: skip
-    return Profile(
+                other_samples=[[float(x), float(ms)] for x, ms in pts])  # fmt: skip
+    prof = Profile(
         model, str(device), str(dtype).removeprefix("torch."), size, fits, load_fits,
-        compute["blocks"], meta, other, fit_stages(stages),
+        compute["blocks"], meta, other,
     )  # fmt: skip
+    prof.set_stages(stages or {})
+    return prof
 
 
 def r2_report(profile: Profile) -> list[str]:
