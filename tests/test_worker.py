@@ -300,7 +300,9 @@ def test_cancel_mid_run_frees_the_slot(cont) -> None:
     since = int(c.stats()["steps_total"])
     fa, fb, fc = (
         _fields("cx-a", 30, seed=1),
-        _fields("cx-b", 12, seed=2),
+        # b must outlive the cancel (3 steps + 0.3 s + the cancel's trip): with fewer steps a
+        # fast machine finishes b first, and c takes b's slot instead of a's
+        _fields("cx-b", 30, seed=2),
         _fields("cx-c", 4, seed=3),
     )
     a, b = c.edit(**fa), c.edit(**fb)
