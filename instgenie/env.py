@@ -24,6 +24,13 @@ def cuda_graphs() -> str:
     return os.environ.get("INSTGENIE_CUDA_GRAPHS", "all").strip().lower()
 
 
+def graph_capture() -> str:
+    """INSTGENIE_GRAPH_CAPTURE: auto (default: capture a composition's graph only when its
+    measured costs say it pays before the batch changes) | always (every eligible composition on
+    its second call) — engine/graphs.py."""
+    return os.environ.get("INSTGENIE_GRAPH_CAPTURE", "auto").strip().lower()
+
+
 def cudnn_benchmark() -> bool:
     """INSTGENIE_CUDNN_BENCHMARK: 1 lets cuDNN pick convolution algorithms by timing them
     (torch.backends.cudnn.benchmark) on CUDA; 0 (default) keeps its heuristics."""

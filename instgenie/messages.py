@@ -226,6 +226,9 @@ class StepEntry(Nested):  # one iteration of the denoise loop (loop)
     bytes_loaded: int  # cached activations copied in for this step, bytes
     compute_all_blocks: int  # blocks run on all tokens (no cache load), count
     policy: str  # batching policy name, e.g. "continuous"
+    #: how its backbone ran (engine.graphs): "replay" | "capture" | "warmup" | "eager"; the
+    #: costliest of them when a step made several calls (requests of several sizes)
+    graph: str
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

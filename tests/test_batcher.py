@@ -4,6 +4,7 @@ isolation of a poisoned request, batch keys."""
 from __future__ import annotations
 
 import functools
+from collections import deque
 
 import pytest
 import torch
@@ -125,3 +126,49 @@ def test_a_request_of_another_resolution_is_not_starved() -> None:
             assert members == ["small"]
             break
     assert ran_small_at is not None and ran_small_at <= 4, ran_small_at
+
+
+def test_horizon_is_the_steps_until_the_batch_changes() -> None:
+    pipe = _pipe()
+    cont, static = get_policy("continuous"), get_policy("static")
+    a, b = _state(pipe, "a", steps=5), _state(pipe, "b", steps=3)
+    b.step_index = 1  # 2 steps left
+    assert cont.horizon([a], deque(), 4) == 5
+    assert cont.horizon([a, b], deque(), 4) == 2  # until b leaves
+    c = _state(pipe, "c", steps=4)
+    assert cont.horizon([a], deque([c]), 4) == 1  # c joins before the next step
+    assert cont.horizon([a], deque([c]), 1) == 5  # no room: c waits for a
+    assert static.horizon([a], deque([c]), 4) == 5  # static: c waits for the batch
+    big = _state(pipe, "big", steps=4, size=192)
+    assert cont.horizon([a], deque([big]), 4) == 5  # another resolution waits for a drain
+    a.step_index = 4
+    assert cont.horizon([a], deque([c]), 4) == 1  # a's last step: changes either way
+
+
+def test_batcher_passes_the_horizon_and_logs_how_steps_ran() -> None:
+    pipe = tiny_pipeline("sd2-inpaint")
+    graphs = pipe.family.masked.graphs
+    seen = []
+    step = pipe.family.denoise_step
+
+    def spy(batch):  # what the step's graphs were told while it ran
+        seen.append(graphs.horizon)
+        step(batch)
+
+    pipe.family.denoise_step = spy
+    b = Batcher(pipe, get_policy("continuous"), max_batch=4)
+    b.submit(_state(pipe, "a", steps=4))
+    b.iterate()
+    b.submit(_state(pipe, "b", steps=2))
+    b.submit(_state(pipe, "c", steps=2))
+    while not b.idle:
+        b.iterate()
+    # a alone (4 left); a + b + c until b and c leave (2 steps); a's last step alone
+    assert seen == [4, 2, 1, 1]
+    assert graphs.horizon is None  # reset after each step
+    assert [r.graph for r in b.records] == ["eager"] * 4  # CPU: no graphs
+    graphs.force_static = True  # the graph form on CPU: every call a warm-up
+    b.submit(_state(pipe, "d", steps=2))
+    while not b.idle:
+        b.iterate()
+    assert [r.graph for r in b.records][-2:] == ["warmup"] * 2

@@ -119,6 +119,55 @@ def test_cuda_graph_replay_equals_eager(family: str) -> None:
         assert torch.equal(b, c)
 
 
+def test_capture_only_when_it_pays() -> None:
+    """INSTGENIE_GRAPH_CAPTURE=auto: the first composition of a batch shape is captured (its
+    costs are not known yet); once its costs say a capture does not pay within the horizon, a
+    new composition of that shape runs eagerly; an unknown horizon captures."""
+    from instgenie.engine.graphs import COST_SAMPLES, StepGraphs
+
+    pipe = cuda_pipeline("sdxl-inpaint")
+    ex = pipe.family.masked
+    key = pipe.build_template(
+        TemplateSpec(image=png_bytes(make_image(128, 128, seed=3)), num_inference_steps=6)
+    )
+
+    def run(known_horizon: bool) -> torch.Tensor:
+        req = EditRequest(uid="r", image=None, template_id=key, seed=5, prompt="a hat",
+                          mask=png_bytes(make_mask(128, 128, (0.2, 0.2, 0.6, 0.7))),
+                          num_inference_steps=6, paste_back=False)  # fmt: skip
+        s = pipe.preprocess(req)
+        while not s.is_done:
+            pipe.denoise_step([s], s.num_steps - s.step_index if known_horizon else None)
+        return s.latents
+
+    saved = ex.graphs
+    try:
+        ex.graphs = StepGraphs(ex.device, "off")
+        ref = run(True)
+        g = ex.graphs = StepGraphs(ex.device, "all")
+        first = run(True)
+        after_first = dict(g.counters)
+        torch.cuda.synchronize()
+        g._read_timings()
+        (shape,) = {s for _, s in g.costs._ms}
+        measured = {k: g.costs.ms(k, shape) for k in ("eager", "replay", "capture")}
+        for _ in range(COST_SAMPLES):  # as if a capture of this shape took 1000 s
+            g.costs.add("capture", shape, 1e6)
+        second = run(True)
+        after_second = dict(g.counters)
+        third = run(False)
+        after_third, mode = dict(g.counters), g.mode
+    finally:
+        ex.graphs = saved
+    assert mode == "all", "a capture failed"
+    assert after_first == {"capture": 1, "warmup": 1, "eager": 0, "replay": 4}
+    assert all(v is not None and v > 0 for v in measured.values()), measured
+    assert after_second == {"capture": 1, "warmup": 2, "eager": 5, "replay": 4}
+    assert after_third == {"capture": 2, "warmup": 3, "eager": 5, "replay": 8}
+    for out in (first, second, third):
+        assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_norm_rope_compiled(dtype: torch.dtype) -> None:
     """The compiled fused RMSNorm + RoPE kernel at Flux's shapes against its torch reference."""

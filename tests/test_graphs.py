@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from instgenie.cache.store import InMemoryStore
-from instgenie.engine.graphs import StepGraphs
+from instgenie.engine.graphs import (
+    COST_SAMPLES,
+    CallCosts,
+    StepGraphs,
+    capture_pays,
+    costliest_mode,
+)
 from instgenie.engine.masked import context
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
@@ -156,6 +162,8 @@ def test_eligibility() -> None:
     assert not StepGraphs(ex.device, "all").eligible(None, dtype, ex.block_order)  # CPU
     with pytest.raises(ValueError, match="unknown CUDA graph mode"):
         StepGraphs(ex.device, "sometimes")
+    with pytest.raises(ValueError, match="unknown graph capture policy"):
+        StepGraphs(ex.device, "all", capture="never")
 
 
 def test_entries_are_bounded_and_dropped_with_their_requests() -> None:
@@ -170,3 +178,76 @@ def test_entries_are_bounded_and_dropped_with_their_requests() -> None:
     gc.collect()
     ex.graphs._drop_dead()
     assert len(ex.graphs._entries) == 0  # every request state is gone
+
+
+# ---- when a capture pays ---------------------------------------------------------------------
+# Costs shaped like the H200 SDXL 1024² masked step (masked-step-h200.md): at batch 1 an eager
+# call is host-bound (64 ms) and a replay takes 20 ms; at batch 8 both take ~120 ms. A capture
+# is the step's Python under capture plus instantiation (~60 ms here) and one replay.
+SMALL, LARGE = "b1", "b8"
+
+
+def _costs() -> CallCosts:
+    costs = CallCosts()
+    for kind, small, large in (("eager", 64, 122), ("replay", 20, 120), ("capture", 80, 180)):
+        costs.add(kind, SMALL, small)
+        costs.add(kind, LARGE, large)
+    return costs
+
+
+def test_capture_pays_when_replays_win_back_the_capture() -> None:
+    costs = _costs()
+    # batch 1: 80 + 20 < 2 * 64 — pays from the second call on; one call never pays
+    assert not capture_pays(costs, SMALL, 1)
+    assert capture_pays(costs, SMALL, 2)
+    assert capture_pays(costs, SMALL, 20)
+    # batch 8: a replay saves 2 ms a call and the capture costs 58 ms more than an eager call,
+    # so only a composition of more than 30 calls pays (180 + 29 * 120 = 30 * 122 = 3660);
+    # a 20-step request never keeps one that long
+    assert not capture_pays(costs, LARGE, 3)
+    assert not capture_pays(costs, LARGE, 30)
+    assert capture_pays(costs, LARGE, 31)
+
+
+def test_capture_pays_without_knowledge() -> None:
+    costs = _costs()
+    assert capture_pays(costs, SMALL, None)  # a caller that does not know its horizon
+    assert capture_pays(costs, "b4", 1)  # no cost of that shape measured yet: measure it
+    partial = CallCosts()
+    partial.add("eager", SMALL, 64)
+    partial.add("replay", SMALL, 20)
+    assert capture_pays(partial, SMALL, 1)  # never captured at that shape yet
+
+
+def test_call_costs_are_the_median_of_the_newest() -> None:
+    costs = CallCosts()
+    assert costs.ms("eager", SMALL) is None
+    costs.add("eager", SMALL, 5000.0)  # the first call of a process compiles
+    costs.add("eager", SMALL, 60.0)
+    costs.add("eager", SMALL, 70.0)
+    assert costs.ms("eager", SMALL) == 70.0
+    for _ in range(COST_SAMPLES):
+        costs.add("eager", SMALL, 64.0)
+    assert costs.ms("eager", SMALL) == 64.0  # the compile is no longer among the samples
+    assert costs.ms("eager", LARGE) is None and costs.ms("replay", SMALL) is None
+
+
+def test_costliest_mode() -> None:
+    before = {"capture": 1, "warmup": 3, "eager": 0, "replay": 10}
+    assert costliest_mode({**before, "replay": 11}, before) == "replay"
+    assert costliest_mode({**before, "replay": 11, "warmup": 4}, before) == "warmup"
+    assert costliest_mode({**before, "capture": 2, "warmup": 4}, before) == "capture"
+    assert costliest_mode(before, before) == "eager"  # no graph call at all
+
+
+def test_cpu_graph_form_times_its_calls() -> None:
+    """The warm-up calls of the graph form are timed as eager calls, per batch shape."""
+    pipe = _pipe("sdxl-inpaint")
+    ex = pipe.family.masked
+    ex.graphs.force_static = True
+    key = _template(pipe, 1)
+    _run_staggered(pipe, [_edit("a", key, (0.2, 0.2, 0.6, 0.6), 3)])
+    (shape,) = {s for (kind, s) in ex.graphs.costs._ms}
+    assert shape[0] is True  # a batch that reads a template cache
+    assert len(ex.graphs.costs._ms[("eager", shape)]) == STEPS
+    assert ex.graphs.costs.ms("eager", shape) > 0

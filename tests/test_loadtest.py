@@ -144,6 +144,29 @@ def _ok(i: int, sent: float, latency_s: float) -> Outcome:
     return o
 
 
+def test_step_modes_from_two_scrapes() -> None:
+    """Steps by graph mode between two /metrics reads, summed over workers."""
+    from instgenie.messages import StepEntry
+    from instgenie.server.metrics import Metrics
+
+    def entry(i: int, graph: str, ms: float) -> StepEntry:
+        return StepEntry(step=i, t_start=0.0, duration_ms=ms, members=[], joined=[],
+                         waited_ms=[], left=[], bytes_loaded=0, compute_all_blocks=0,
+                         policy="continuous", graph=graph)  # fmt: skip
+
+    m = Metrics()
+    m.observe_steps(0, [entry(0, "warmup", 60.0)])
+    before = report.step_totals(m.render().decode())
+    m.observe_steps(0, [entry(1, "capture", 90.0), entry(2, "replay", 20.0)])
+    m.observe_steps(1, [entry(0, "replay", 30.0), entry(1, "eager", 64.0)])
+    modes = report.step_modes(before, report.step_totals(m.render().decode()))
+    assert list(modes) == ["capture", "eager", "replay"]  # no warm-up since `before`
+    assert modes["replay"]["n"] == 2 and modes["replay"]["mean_ms"] == pytest.approx(25.0)
+    assert modes["capture"]["mean_ms"] == pytest.approx(90.0)
+    assert sum(v["share"] for v in modes.values()) == pytest.approx(1.0)
+    assert modes["eager"]["share"] == pytest.approx(0.25)
+
+
 def test_summary_counts_failures_as_slo_misses() -> None:
     outs = [_ok(i, float(i), 0.1 * (i + 1)) for i in range(8)]  # 100, 200, ..., 800 ms
     outs.append(Outcome(8, 8.0, 0.2, sent_s=8.0, done_s=8.05, status=503, code="overloaded"))
@@ -279,6 +302,14 @@ def test_loadtest_against_a_real_server(srv: ServerProcess, capsys, tmp_path: Pa
         assert sum(p["workers"].values()) == 4  # requests answered per worker index
         assert p["slo_attainment"] == 1.0 and p["latency_ms"]["n"] == 4
     full = json.loads(out.read_text())
+    for p in full["phases"]:
+        # the phase's own denoising steps, read from /metrics: at least the longest request's,
+        # at most all of theirs (steps are shared when requests overlap); CPU: all eager
+        steps = [r["num_steps"] for r in p["rows"]]
+        assert list(p["steps"]) == ["eager"], p["steps"]
+        eager = p["steps"]["eager"]
+        assert max(steps) <= eager["n"] <= sum(steps), (steps, eager)
+        assert eager["share"] == 1.0 and eager["mean_ms"] > 0
     rows = full["phases"][0]["rows"]
     assert len(rows) == 4 and all(r["cache"] == "hit" for r in rows)
     assert all(r["mask_ratio"] == pytest.approx(r["mask_ratio_requested"]) for r in rows)

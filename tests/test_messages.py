@@ -21,6 +21,7 @@ BUNDLE = m.TensorBundle(segment="igw0-123_0123456789abcdef", size=32768, tensors
 STEP = m.StepEntry(
     step=7, t_start=1.7e9, duration_ms=41.5, members=[("a", 3), ("b", 0)], joined=["b"],
     waited_ms=[2.5], left=[], bytes_loaded=1 << 20, compute_all_blocks=2, policy="continuous",
+    graph="replay",
 )
 # At least one example per registered message type, with non-default values where possible.
 COST = m.CostSpec(

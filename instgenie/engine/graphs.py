@@ -19,6 +19,18 @@ turn computes exactly what the plain masked path computes (tests/test_graphs.py 
 graph form; tests marked gpu check replay). A failed capture turns graphs off for the executor
 and the step runs eagerly (logged once).
 
+Whether call 2 captures (INSTGENIE_GRAPH_CAPTURE): "always" captures every eligible composition.
+"auto" (default) captures only when it is expected to pay before the composition changes. The
+serving loop knows how many more steps the batch keeps its members (`horizon`: until the first
+finishes, 1 when a waiting request joins next). Each kind of call is timed per batch shape
+(`CallCosts`), and a capture must satisfy capture + (horizon - 1) replays < horizon eager
+calls. Capturing runs the step's Python under capture and instantiates the graph while the GPU
+idles, so it costs more than an eager call. At small batches a replay is 3x faster than eager
+(host-bound), so a graph pays within a few steps. At large batches the GPU is busy either way,
+a replay saves ~1 %, and a capture never pays back. A composition not captured at call 2 is
+asked again at each later call (its horizon may have grown). Unknown horizon (benchmarks,
+scripts) or a cost not measured yet for that shape: capture (it measures it).
+
 Modes (INSTGENIE_CUDA_GRAPHS): "all" (default) graphs every eligible batch, "masked" only
 batches that read a template cache, "off" none. Ineligible: CPU, capture runs (block outputs are
 handed to a writer), timers and pipelined host loads (they synchronise with other streams),
@@ -28,8 +40,10 @@ caches without per-block stacks (fp8, host tiers), an active dispatch mode (FLOP
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from collections.abc import Callable
+import statistics
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +56,42 @@ from instgenie.engine.masked.context import StepContext, use_context
 log = logging.getLogger(__name__)
 
 MODES = ("all", "masked", "off")
+#: what one backbone call did, costliest first: a capture runs the step's Python under capture
+#: and then replays it; a warm-up and an eager call run it eagerly; a replay only launches
+CALL_KINDS = ("capture", "warmup", "eager", "replay")
+CAPTURE_POLICIES = ("auto", "always")
+#: calls of one kind and batch shape whose median prices it (the newest are kept), count
+COST_SAMPLES = 8
+#: timed calls whose CUDA events are not read yet; older ones are dropped unread, count
+PENDING_TIMINGS = 64
+
+
+class CallCosts:
+    """Measured wall cost of a backbone call, ms, per kind and batch shape: "eager" (eager and
+    warm-up calls), "replay", "capture" (capture, instantiation and the first replay). The
+    median of the newest COST_SAMPLES calls (the first call of a process also compiles)."""
+
+    def __init__(self) -> None:
+        self._ms: dict[tuple[str, Hashable], deque[float]] = {}
+
+    def add(self, kind: str, shape: Hashable, ms: float) -> None:
+        self._ms.setdefault((kind, shape), deque(maxlen=COST_SAMPLES)).append(ms)
+
+    def ms(self, kind: str, shape: Hashable) -> float | None:
+        samples = self._ms.get((kind, shape))
+        return statistics.median(samples) if samples else None
+
+
+def capture_pays(costs: CallCosts, shape: Hashable, horizon: int | None) -> bool:
+    """Whether capturing now costs less than eager calls until the composition changes:
+    capture + (horizon - 1) replays < horizon eager calls, `horizon` counting this call. True
+    when the horizon is unknown (None) or a cost of `shape` is not measured yet."""
+    if horizon is None:
+        return True
+    eager, replay, capture = (costs.ms(k, shape) for k in ("eager", "replay", "capture"))
+    if eager is None or replay is None or capture is None:
+        return True
+    return capture + (horizon - 1) * replay < horizon * eager
 
 
 @dataclass
@@ -63,18 +113,30 @@ class _Entry:
 
 
 class StepGraphs:
-    def __init__(self, device: torch.device, mode: str = "all", max_graphs: int = 4) -> None:
+    def __init__(
+        self, device: torch.device, mode: str = "all", max_graphs: int = 4, capture: str = "auto"
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown CUDA graph mode {mode!r}; choose one of {MODES}")
+        if capture not in CAPTURE_POLICIES:
+            raise ValueError(f"unknown graph capture policy {capture!r}; "
+                             f"choose one of {CAPTURE_POLICIES}")  # fmt: skip
         self.device = device
         self.mode = mode
+        self.capture = capture
+        #: calls the running composition is expected to make, this one included (the serving
+        #: loop sets it before each step); None: unknown (capture on call 2)
+        self.horizon: int | None = None
+        self.costs = CallCosts()
+        #: (start event, end event, kind, shape, host ms to add) of calls not read yet
+        self._pending: deque[tuple] = deque(maxlen=PENDING_TIMINGS)
         #: compositions kept (least recently used dropped first); each holds a graph
         self.max_graphs = max_graphs
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._pool = None
         #: "eager" | "warmup" | "capture" | "replay": what the last call did (step log)
         self.last: str = "eager"
-        self.counters = {"warmup": 0, "capture": 0, "replay": 0, "eager": 0}
+        self.counters = dict.fromkeys(CALL_KINDS, 0)
         #: the graph form without CUDA (tests: the static path is checked on CPU)
         self.force_static = False
 
@@ -125,6 +187,8 @@ class StepGraphs:
             tuple((t.shape, t.dtype, t.device) for t in tensors),
         )
         self._drop_dead()
+        self._read_timings()
+        shape = (ctx is not None and ctx.reads_cache, tuple(tensors[0].shape) if tensors else ())
         entry = self._entries.get(full_key)
         if entry is None:
             entry = self._new_entry(ctx, tensors, spec, leaves)
@@ -140,16 +204,18 @@ class StepGraphs:
             ctx.step_index = entry.step_index
         entry.calls += 1
         if entry.graph is not None:
-            entry.graph.replay()
+            out = self._timed("replay", shape, lambda: self._replay(entry))
             if ctx is not None:
                 ctx.masked_blocks = list(entry.masked_blocks)
-            return self._done("replay", entry.output.clone())
-        if entry.calls == 1 or self.device.type != "cuda":
+            return self._done("replay", out)
+        warmup = entry.calls == 1 or self.device.type != "cuda"
+        if warmup or not (self.capture == "always"
+                          or capture_pays(self.costs, shape, self.horizon)):  # fmt: skip
             with use_context(ctx):
-                out = self._call(fn, entry)
-            return self._done("warmup", out)
+                out = self._timed("eager", shape, lambda: self._call(fn, entry))
+            return self._done("warmup" if warmup else "eager", out)
         try:
-            out = self._capture(ctx, fn, entry)
+            out = self._capture(ctx, fn, entry, shape)
         except Exception as exc:  # an op that cannot be captured: stay eager from now on
             log.warning("CUDA graph capture failed (%s: %s); running eagerly",
                         type(exc).__name__, exc)  # fmt: skip
@@ -197,7 +263,34 @@ class StepGraphs:
         tokens = () if ctx is None else (ctx._tokens, ctx._joint)
         return _Entry([t.clone() for t in tensors], spec, leaves, step_index, tokens=tokens)
 
-    def _capture(self, ctx: StepContext | None, fn, entry: _Entry) -> torch.Tensor:
+    # ---- timing ---------------------------------------------------------------------------
+    def _timed(self, kind: str, shape: Hashable, call: Callable[[], Any], host_ms: float = 0.0):
+        """call(), its wall cost recorded under (kind, shape): CUDA events on the current stream
+        (read later, never waited for; they include the GPU's idle gaps when the host is the
+        bottleneck), host time elsewhere. `host_ms` is added (a capture's host-only work)."""
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            out = call()
+            self.costs.add(kind, shape, host_ms + 1e3 * (time.perf_counter() - t0))
+            return out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = call()
+        end.record()
+        self._pending.append((start, end, kind, shape, host_ms))
+        return out
+
+    def _read_timings(self) -> None:
+        while self._pending and self._pending[0][1].query():
+            start, end, kind, shape, host_ms = self._pending.popleft()
+            self.costs.add(kind, shape, host_ms + start.elapsed_time(end))
+
+    @staticmethod
+    def _replay(entry: _Entry) -> torch.Tensor:
+        entry.graph.replay()
+        return entry.output.clone()
+
+    def _capture(self, ctx: StepContext | None, fn, entry: _Entry, shape: Hashable) -> torch.Tensor:
         if self._pool is None or len(self) == 0:
             # graphs share one memory pool (they never run concurrently and each one's output
             # is copied out before the next replay); once every graph of a pool is gone the
@@ -205,13 +298,15 @@ class StepGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()  # the GPU idles from here until the replay below
         with use_context(ctx), torch.cuda.graph(graph, pool=self._pool):
             out = self._call(fn, entry)
         entry.graph, entry.output = graph, out
         if ctx is not None:
             entry.masked_blocks = list(ctx.masked_blocks)
-        graph.replay()  # capture records work without running it
-        return out.clone()
+        host_ms = 1e3 * (time.perf_counter() - t0)
+        # capture records work without running it
+        return self._timed("capture", shape, lambda: self._replay(entry), host_ms)
 
     def _drop_dead(self) -> None:
         """Forget compositions whose request states are gone (keys hold weak references)."""
@@ -224,6 +319,12 @@ class StepGraphs:
 
     def __len__(self) -> int:
         return sum(1 for e in self._entries.values() if e.graph is not None)
+
+
+def costliest_mode(after: dict[str, int], before: dict[str, int]) -> str:
+    """The costliest CALL_KINDS entry whose counter grew from `before` to `after` (one step's
+    backbone calls), or "eager" when none did."""
+    return next((k for k in CALL_KINDS if after.get(k, 0) > before.get(k, 0)), "eager")
 
 
 def _has_dead_ref(key: Any) -> bool:

@@ -312,11 +312,18 @@ class EditPipeline:
         state.extras["cache"], state.extras["cache_tier"] = "hit", tier
 
     # ---- denoise -------------------------------------------------------------------------------
-    def denoise_step(self, batch: Sequence[RequestState]) -> None:
-        """One step for every request in `batch`, each at its own step index."""
+    def denoise_step(self, batch: Sequence[RequestState], horizon: int | None = None) -> None:
+        """One step for every request in `batch`, each at its own step index. `horizon`: how
+        many steps, this one included, the batch is expected to keep these members (the serving
+        loop knows; it decides whether a CUDA graph of the batch pays, engine/graphs.py)."""
         active = [s for s in batch if not s.is_done]
-        with torch.inference_mode():
-            self.family.denoise_step(active)
+        graphs = self.family.masked.graphs
+        graphs.horizon = horizon
+        try:
+            with torch.inference_mode():
+                self.family.denoise_step(active)
+        finally:
+            graphs.horizon = None
         for s in active:
             if s.is_done:
                 self.release(s)

@@ -10,7 +10,9 @@ caches, sends --warmup edits one at a time (not counted), then one phase per --r
 replaying --trace): edits of the templates under rectangle masks whose ratios follow
 --mask-ratios, at Poisson (or evenly spaced) arrival times. One JSON line per phase goes to
 stdout, a human line to stderr; --out FILE gets the whole report, one row per request (written
-once at the end, whole or not at all).
+once at the end, whole or not at all). Each phase also counts the server's denoising steps by how
+they ran (`steps`: CUDA-graph replay, capture, warm-up or eager; count, mean ms, share), from its
+/metrics read before and after the phase.
 Templates this run created are deleted at the end unless --keep-templates.
 
 Exit status: 0 the phases ran (failed requests are results, counted by error code);
@@ -28,6 +30,7 @@ import json
 import math
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +180,29 @@ def wait_ready(base: str, wait_s: float) -> None:
         time.sleep(0.5)
 
 
+#: the server reads its workers' step logs every health poll (0.5 s by default): after a phase,
+#: /metrics is read until two reads this far apart agree, at most STEPS_SETTLE_TRIES times
+STEPS_SETTLE_S = 1.0
+STEPS_SETTLE_TRIES = 10
+
+
+def scrape_steps(base: str, settle: bool = False) -> dict[str, tuple[float, float]] | None:
+    """The server's step totals by graph mode (report.step_totals), None when /metrics cannot
+    be read. `settle`: wait for the last steps' log to reach the server."""
+    last = None
+    for _ in range(STEPS_SETTLE_TRIES if settle else 1):
+        try:
+            with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+                now = report.step_totals(resp.read().decode())
+        except (OSError, ValueError):
+            return None
+        if now == last or not settle:
+            return now
+        last = now
+        time.sleep(STEPS_SETTLE_S)
+    return last
+
+
 class Templates:
     """The run's templates: ids, sizes, images (--full) and the ids this run created."""
 
@@ -306,12 +332,16 @@ def _run(args: argparse.Namespace, out: PendingOutput | None) -> int:
                 mask, got = workload.rect_mask(w, h, a.mask_ratio, rng)
                 bodies.append(edit_body(args, tpl, a.template, mask, a.seed, bool(f)))
                 achieved.append(got)
+            steps_before = scrape_steps(base, settle=True)  # the warm-ups' steps counted
             outcomes, wall = driver.run_phase(
                 base, bodies, [a.at_s for a in arrivals], achieved,
                 args.max_inflight, args.timeout_s,
             )  # fmt: skip
             stats = report.summarize(outcomes, wall, args.slo_ms)
             summary = {"phase": label, "rate": rate, **stats}
+            steps_after = scrape_steps(base, settle=True)
+            if steps_before is not None and steps_after is not None:
+                summary["steps"] = report.step_modes(steps_before, steps_after)
             print(json.dumps(summary), flush=True)
             print(report.one_line(label, summary), file=sys.stderr, flush=True)
             rows = [

@@ -13,6 +13,7 @@ import collections
 import statistics
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from instgenie.loadtest.driver import OK, Outcome
 
@@ -69,6 +70,35 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo_ms: float | None) -> d
     return out
 
 
+#: the server's step histogram (server/metrics.py), by worker and by how the step's backbone ran
+STEP_METRIC = "instgenie_step_seconds"
+
+
+def step_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """graph mode -> (steps, seconds) summed over workers, from a /metrics scrape."""
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != STEP_METRIC:
+            continue
+        for sample in family.samples:
+            slot = {f"{STEP_METRIC}_count": 0, f"{STEP_METRIC}_sum": 1}.get(sample.name)
+            if slot is not None:
+                out[sample.labels.get("graph", "")][slot] += sample.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def step_modes(before: dict, after: dict) -> dict:
+    """The steps run between two scrapes, by graph mode: {"n", "mean_ms", "share"} each."""
+    diff = {k: (n - before.get(k, (0, 0))[0], sec - before.get(k, (0, 0))[1])
+            for k, (n, sec) in after.items()}  # fmt: skip
+    total = sum(n for n, _ in diff.values())
+    return {
+        k: {"n": int(n), "mean_ms": 1e3 * sec / n, "share": n / total}
+        for k, (n, sec) in sorted(diff.items())
+        if n > 0
+    }
+
+
 def one_line(label: str, s: dict) -> str:
     """A human summary of one phase (stderr)."""
     lat = s["latency_ms"]
@@ -83,4 +113,7 @@ def one_line(label: str, s: dict) -> str:
         parts.append(f"SLO {s['slo_ms']:g} ms met by {100 * s['slo_attainment']:.1f}%")
     if s["errors"]:
         parts.append("errors " + ", ".join(f"{k} x{v}" for k, v in sorted(s["errors"].items())))
+    if s.get("steps"):
+        parts.append("steps " + ", ".join(f"{k} {v['n']} x {v['mean_ms']:.0f} ms"
+                                          for k, v in s["steps"].items()))  # fmt: skip
     return "; ".join(parts)

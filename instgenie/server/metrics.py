@@ -62,8 +62,9 @@ class Metrics:
         )
         self.step_seconds = Histogram(
             "instgenie_step_seconds",
-            "Denoise step wall time, by worker",
-            ["worker"],
+            "Denoise step wall time, by worker and by how its backbone ran (graph: replay, "
+            "capture, warmup or eager; engine.graphs)",
+            ["worker", "graph"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )
@@ -77,7 +78,7 @@ class Metrics:
     def observe_steps(self, worker: int, entries: Iterable[StepEntry]) -> None:
         label = str(worker)
         for e in entries:
-            self.step_seconds.labels(label).observe(e.duration_ms / 1e3)
+            self.step_seconds.labels(label, e.graph).observe(e.duration_ms / 1e3)
             if e.bytes_loaded:
                 self.bytes_loaded.labels(label).inc(e.bytes_loaded)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from instgenie.engine.graphs import costliest_mode
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import RequestState
 from instgenie.worker.policies import Policy
@@ -33,6 +34,7 @@ class StepRecord:
     bytes_loaded: int
     compute_all_blocks: int
     policy: str
+    graph: str  # engine.graphs mode of the step's backbone calls (StepEntry.graph)
 
 
 @dataclass
@@ -82,12 +84,15 @@ class Batcher:
         if not self.running:
             return retired
         members = [(s.uid, s.step_index) for s in self.running]
+        graphs = self.pipe.family.masked.graphs
+        before = dict(graphs.counters)
         t0, wall0 = time.perf_counter(), time.time()
         waited = [1e3 * (t0 - self._submitted.pop(s.uid, t0)) for s in joined]
         try:
             # no device sync: the host enqueues step n + 1 while the GPU runs step n, so the
             # recorded duration is host time between step starts (≈ GPU step time when busy)
-            self.pipe.denoise_step(self.running)
+            horizon = self.policy.horizon(self.running, self.waiting, self.max_batch)
+            self.pipe.denoise_step(self.running, horizon)
         except Exception as exc:  # the whole batch shares the failed step
             failed = [Retired(s, ("internal_error", f"denoising step failed: {exc}"))
                       for s in self.running]  # fmt: skip
@@ -113,6 +118,7 @@ class Batcher:
                 bytes_loaded=ctx.loader.bytes_loaded if ctx and ctx.loader else 0,
                 compute_all_blocks=len(ctx.compute_all) if ctx else 0,
                 policy=self.policy.name,
+                graph=costliest_mode(graphs.counters, before),
             )
         )
         self.steps += 1

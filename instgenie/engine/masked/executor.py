@@ -69,7 +69,7 @@ class MaskedExecutor:
         #: a BlockTimer attached to every step's context (the profiler sets it)
         self.timer_factory: Callable[[], object] | None = None
         #: CUDA-graph replay of steps whose composition repeats (engine/graphs.py)
-        self.graphs = StepGraphs(device, env.cuda_graphs())
+        self.graphs = StepGraphs(device, env.cuda_graphs(), capture=env.graph_capture())
 
     def run_backbone(
         self,
