@@ -168,6 +168,55 @@ def test_capture_only_when_it_pays() -> None:
         assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
+@pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
+def test_first_call_capture_of_a_captured_shape(family: str) -> None:
+    """Once a batch shape was captured, a new composition of it (another mask, other token
+    counts) is captured on its first call, with no warm-up, and replays what eager computes.
+    A two-request batch covers the varlen attention with several query lengths."""
+    from instgenie.engine.graphs import StepGraphs
+
+    pipe = cuda_pipeline(family)
+    ex = pipe.family.masked
+    key = pipe.build_template(
+        TemplateSpec(image=png_bytes(make_image(128, 128, seed=4)), num_inference_steps=6)
+    )
+
+    def reqs(shift: float) -> list[EditRequest]:
+        return [EditRequest(uid=f"r{i}", image=None, template_id=key, seed=i, prompt=f"a cap {i}",
+                            mask=png_bytes(make_mask(128, 128, (shift * i, 0.1, 0.5 + shift, 0.8))),
+                            num_inference_steps=6, paste_back=False)  # fmt: skip
+                for i in range(2)]  # fmt: skip
+
+    def run(batch: list[EditRequest]) -> list[torch.Tensor]:
+        states = [pipe.preprocess(r) for r in batch]
+        while not all(s.is_done for s in states):
+            pipe.denoise_step(states, min(s.num_steps - s.step_index for s in states))
+        return [s.latents for s in states]
+
+    saved = ex.graphs
+    try:
+        ex.graphs = StepGraphs(ex.device, "off")
+        refs = [run(reqs(shift)) for shift in (0.1, 0.3)]
+        g = ex.graphs = StepGraphs(ex.device, "all")
+        first = run(reqs(0.1))  # warm-up, capture at call 2
+        before = dict(g.counters)
+        second = run(reqs(0.3))  # another composition of the same shape
+        after, mode, first_ok = dict(g.counters), g.mode, g.capture_first
+    finally:
+        ex.graphs = saved
+    assert mode == "all" and first_ok, "a capture failed"
+    assert before == {"capture": 1, "warmup": 1, "eager": 0, "replay": 4}
+    assert {k: after[k] - before[k] for k in after} == {
+        "capture": 1,
+        "warmup": 0,
+        "eager": 0,
+        "replay": 5,
+    }
+    for ref, out in zip(refs, (first, second), strict=True):
+        for a, b in zip(ref, out, strict=True):
+            assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_norm_rope_compiled(dtype: torch.dtype) -> None:
     """The compiled fused RMSNorm + RoPE kernel at Flux's shapes against its torch reference."""

@@ -251,3 +251,28 @@ def test_cpu_graph_form_times_its_calls() -> None:
     assert shape[0] is True  # a batch that reads a template cache
     assert len(ex.graphs.costs._ms[("eager", shape)]) == STEPS
     assert ex.graphs.costs.ms("eager", shape) > 0
+
+
+def test_when_a_composition_is_captured() -> None:
+    """The decision alone (no CUDA needed): "always" on call 2; "auto" on call 1 only for a
+    batch shape captured before in the process, and only when the costs say it pays."""
+    cuda = torch.device("cuda")
+    always = StepGraphs(cuda, "all", capture="always")
+    assert not always._should_capture(True, SMALL) and always._should_capture(False, SMALL)
+    always.horizon = 1  # "always" ignores costs and horizon
+    assert always._should_capture(False, SMALL)
+
+    auto = StepGraphs(cuda, "all")
+    auto.costs = _costs()
+    auto.horizon = 5
+    assert not auto._should_capture(True, SMALL)  # never captured at this shape: warm up
+    assert auto._should_capture(False, SMALL)
+    auto._captured.add(SMALL)
+    assert auto._should_capture(True, SMALL)  # warmed: capture on the first call
+    assert not auto._should_capture(True, LARGE) and not auto._should_capture(False, LARGE)
+    auto.horizon = 1
+    assert not auto._should_capture(True, SMALL)  # one call left: eager is cheaper
+    auto.horizon = 5
+    auto.capture_first = False  # after a failed first-call capture
+    assert not auto._should_capture(True, SMALL) and auto._should_capture(False, SMALL)
+    assert not StepGraphs(torch.device("cpu"), "all")._should_capture(False, SMALL)

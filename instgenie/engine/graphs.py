@@ -25,11 +25,15 @@ serving loop knows how many more steps the batch keeps its members (`horizon`: u
 finishes, 1 when a waiting request joins next). Each kind of call is timed per batch shape
 (`CallCosts`), and a capture must satisfy capture + (horizon - 1) replays < horizon eager
 calls. Capturing runs the step's Python under capture and instantiates the graph while the GPU
-idles, so it costs more than an eager call. At small batches a replay is 3x faster than eager
-(host-bound), so a graph pays within a few steps. At large batches the GPU is busy either way,
-a replay saves ~1 %, and a capture never pays back. A composition not captured at call 2 is
-asked again at each later call (its horizon may have grown). Unknown horizon (benchmarks,
-scripts) or a cost not measured yet for that shape: capture (it measures it).
+idles, so it costs more than an eager call; a replay is 3x faster than an eager call at batch 1
+(host-bound) and ~1.4x at batch 4-8 in a serving loop (docs/benchmarks/serving-h200.md). A
+composition not captured is asked again at each later call (its horizon may have grown). Unknown
+horizon (benchmarks, scripts) or a cost not measured yet for that shape: capture (it measures
+it). Under "auto" the warm-up call is skipped once a composition of the same batch shape has
+been captured in the process: a new composition is captured on its first call, its token sets
+built beforehand (`StepContext.prepare_tokens`). Under continuous batching every join or leave
+is a new composition, and a warm-up is an eager call (docs/benchmarks/serving-h200.md). If such
+a first-call capture fails, the process warms up first from then on.
 
 Modes (INSTGENIE_CUDA_GRAPHS): "all" (default) graphs every eligible batch, "masked" only
 batches that read a template cache, "off" none. Ineligible: CPU, capture runs (block outputs are
@@ -128,6 +132,11 @@ class StepGraphs:
         #: loop sets it before each step); None: unknown (capture on call 2)
         self.horizon: int | None = None
         self.costs = CallCosts()
+        #: batch shapes captured at least once in this process (their lazy loads are done)
+        self._captured: set[Hashable] = set()
+        #: "auto" captures a new composition of a captured shape on its first call; turned off
+        #: for the process when such a capture fails
+        self.capture_first = True
         #: (start event, end event, kind, shape, host ms to add) of calls not read yet
         self._pending: deque[tuple] = deque(maxlen=PENDING_TIMINGS)
         #: compositions kept (least recently used dropped first); each holds a graph
@@ -208,26 +217,57 @@ class StepGraphs:
             if ctx is not None:
                 ctx.masked_blocks = list(entry.masked_blocks)
             return self._done("replay", out)
-        warmup = entry.calls == 1 or self.device.type != "cuda"
-        if warmup or not (self.capture == "always"
-                          or capture_pays(self.costs, shape, self.horizon)):  # fmt: skip
+        first = entry.calls == 1
+        if first and ctx is not None:
+            # one capture-safe TokenSet per grid length, built outside any capture (a capture
+            # cannot hold their host -> device copies) and kept with the entry
+            ctx.prepare_tokens()
+        if not self._should_capture(first, shape):
             with use_context(ctx):
                 out = self._timed("eager", shape, lambda: self._call(fn, entry))
+            # without CUDA (force_static) every call is the graph form's eager warm-up
+            warmup = first or self.device.type != "cuda"
             return self._done("warmup" if warmup else "eager", out)
         try:
             out = self._capture(ctx, fn, entry, shape)
-        except Exception as exc:  # an op that cannot be captured: stay eager from now on
+        except Exception as exc:
+            torch.cuda.synchronize(self.device)
+            if ctx is not None:
+                ctx.masked_blocks = []
+                ctx._joint.clear()  # built inside the failed capture
+            if first:  # something in a new composition needs a warm-up: always warm up now
+                log.warning("CUDA graph capture on a composition's first call failed (%s: %s);"
+                            " warming up first from now on", type(exc).__name__, exc)  # fmt: skip
+                self.capture_first = False
+                self._entries = OrderedDict(
+                    (k, e) for k, e in self._entries.items() if e is entry or e.graph is None
+                )
+                with use_context(ctx):
+                    out = self._call(fn, entry)
+                return self._done("warmup", out)
+            # an op that cannot be captured: stay eager from now on
             log.warning("CUDA graph capture failed (%s: %s); running eagerly",
                         type(exc).__name__, exc)  # fmt: skip
             self.mode = "off"
             self._entries.clear()
-            torch.cuda.synchronize(self.device)
-            if ctx is not None:
-                ctx.masked_blocks = []
             with use_context(ctx):
                 out = self._call(fn, entry)
             return self._done("eager", out)
+        self._captured.add(shape)
         return self._done("capture", out)
+
+    def _should_capture(self, first: bool, shape: Hashable) -> bool:
+        """Whether this call of a composition without a graph captures one. "always": on call
+        2. "auto": when capture_pays; on call 1 only once a composition of this batch shape
+        was captured (its kernels, cuBLAS and cuDNN plans are loaded: a capture cannot load
+        some of them), else after the warm-up call."""
+        if self.device.type != "cuda":
+            return False
+        if self.capture == "always":
+            return not first
+        if first and not (self.capture_first and shape in self._captured):
+            return False
+        return capture_pays(self.costs, shape, self.horizon)
 
     @staticmethod
     def _write_steps(entry: _Entry, ctx: StepContext) -> None:

@@ -219,13 +219,21 @@ class StepContext:
             num_rows=self.num_rows,
         )
 
+    def prepare_tokens(self) -> None:
+        """Build the TokenSet of every grid length the cache-reading requests' masks cover
+        (tokens() builds them lazily otherwise). Their host -> device copies cannot run inside
+        a CUDA-graph capture; everything else the blocks build (joint sets, row offsets) is
+        made by device ops."""
+        for L in sorted({L for r in self.requests if r.handle is not None for L in r.token_index}):
+            self.tokens(L)
+
     def row_offsets(self, length: int) -> torch.Tensor:
         """(R + 1,) int32 offsets r * length on the device (keys of equal length per row)."""
         key = ("rows", length)
         cu = self._joint.get(key)
         if cu is None:
-            cu = torch.arange(self.num_rows + 1, dtype=torch.int32) * length
-            cu = self._joint[key] = cu.to(self.device, non_blocking=True)
+            rows = torch.arange(self.num_rows + 1, dtype=torch.int32, device=self.device)
+            cu = self._joint[key] = rows * length
         return cu
 
     def joint(self, L: int, text_len: int) -> JointSet:
