@@ -122,7 +122,8 @@ def test_cuda_graph_replay_equals_eager(family: str) -> None:
 def test_capture_only_when_it_pays() -> None:
     """INSTGENIE_GRAPH_CAPTURE=auto: the first composition of a batch shape is captured (its
     costs are not known yet); once its costs say a capture does not pay within the horizon, a
-    new composition of that shape runs eagerly; an unknown horizon captures."""
+    new composition of that shape runs eagerly (its first call counted as a warm-up); an
+    unknown horizon captures."""
     from instgenie.engine.graphs import COST_SAMPLES, StepGraphs
 
     pipe = cuda_pipeline("sdxl-inpaint")
@@ -163,7 +164,8 @@ def test_capture_only_when_it_pays() -> None:
     assert after_first == {"capture": 1, "warmup": 1, "eager": 0, "replay": 4}
     assert all(v is not None and v > 0 for v in measured.values()), measured
     assert after_second == {"capture": 1, "warmup": 2, "eager": 5, "replay": 4}
-    assert after_third == {"capture": 2, "warmup": 3, "eager": 5, "replay": 8}
+    # unknown horizon: captured, and on its first call (the shape was captured before)
+    assert after_third == {"capture": 2, "warmup": 2, "eager": 5, "replay": 9}
     for out in (first, second, third):
         assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
