@@ -276,3 +276,21 @@ def test_when_a_composition_is_captured() -> None:
     auto.capture_first = False  # after a failed first-call capture
     assert not auto._should_capture(True, SMALL) and auto._should_capture(False, SMALL)
     assert not StepGraphs(torch.device("cpu"), "all")._should_capture(False, SMALL)
+
+
+def test_prepare_tokens_builds_every_grid_length() -> None:
+    """Before a first-call capture every TokenSet the blocks will ask for exists (their host ->
+    device copies cannot be captured): one per grid length of the masks, none left to build."""
+    pipe = _pipe("sdxl-inpaint")
+    ex = pipe.family.masked
+    key = _template(pipe, 1)
+    state = pipe.preprocess(_edit("a", key, (0.2, 0.2, 0.6, 0.6), 3))
+    ctx = ex.context([state])
+    ctx._tokens.clear()
+    ctx.prepare_tokens()
+    assert sorted(ctx._tokens) == sorted(state.token_index)
+    built = dict(ctx._tokens)
+    pipe.denoise_step([state])  # the same composition: its step reuses these token sets
+    assert ex.last_context._tokens is ctx._tokens
+    assert all(ctx._tokens[L] is ts for L, ts in built.items())  # used, not rebuilt
+    assert set(ctx._tokens) == set(built)  # and none missing
