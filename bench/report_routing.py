@@ -12,11 +12,11 @@ policy's p50 and p95 minus the first policy's (resampling requests within each r
 from __future__ import annotations
 
 import collections
-import json
 import sys
-from pathlib import Path
 
 import numpy as np
+
+from instgenie.loadtest.report import load_named
 
 BOOTSTRAP = 4000  # resamples for the pooled intervals
 
@@ -33,10 +33,7 @@ def _rows(phase: dict) -> tuple[dict, dict]:
 
 
 def main(argv: list[str]) -> int:
-    reports = []
-    for arg in argv:
-        name, _, path = arg.partition("=")
-        reports.append((name, json.loads(Path(path).read_text())))
+    reports = load_named(argv)
     print("| rate | policy | ok | p50 s | p95 s | p99 s | SLO | requests per worker "
           "| denoise s per worker |")  # fmt: skip
     print("|---:|---|---:|---:|---:|---:|---:|---|---|")

@@ -10,9 +10,9 @@ Not a test.
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
+
+from instgenie.loadtest.report import load_named
 
 MODES = ("replay", "capture", "warmup", "eager")
 
@@ -34,10 +34,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
-    reports = []
-    for arg in argv:
-        name, _, path = arg.partition("=")
-        reports.append((name, json.loads(Path(path).read_text())))
+    reports = load_named(argv)
     print("| rate /s | run | steps by mode (count × mean ms) | step time s | ms per "
           "request-step | p50 s | p95 s |")  # fmt: skip
     print("|---:|---|---|---:|---:|---:|---:|")

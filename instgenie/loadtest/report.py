@@ -10,6 +10,7 @@ Denominators are stated because they decide what a number means:
 from __future__ import annotations
 
 import collections
+import json
 import statistics
 
 import numpy as np
@@ -97,6 +98,17 @@ def step_modes(before: dict, after: dict) -> dict:
         for k, (n, sec) in sorted(diff.items())
         if n > 0
     }
+
+
+def load_named(args: list[str]) -> list[tuple[str, dict]]:
+    """NAME=PATH arguments -> (name, report) pairs of `instgenie loadtest --out` reports
+    (the bench/report_*.py scripts)."""
+    out = []
+    for arg in args:
+        name, _, path = arg.partition("=")
+        with open(path, encoding="utf-8") as f:
+            out.append((name, json.load(f)))
+    return out
 
 
 def one_line(label: str, s: dict) -> str:
