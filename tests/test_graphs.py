@@ -10,6 +10,7 @@ Equality is exact: the same kernels see the same values.
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -71,6 +72,10 @@ def _run_staggered(pipe: EditPipeline, requests: list[EditRequest]) -> list[torc
 @pytest.mark.parametrize("step_copy", ["auto", "on"])
 def test_graph_form_equals_plain_path(family: str, step_copy: str, monkeypatch) -> None:
     """step_copy "on": cached rows read by the Triton step-copy kernel (interpreted on CPU)."""
+    if step_copy == "on" and os.environ.get("TRITON_INTERPRET") != "1":
+        # a CUDA machine (conftest sets the interpreter only without one): Triton cannot
+        # launch on these CPU tensors; test_gpu_masked.py runs the kernel on the device
+        pytest.skip("the step-copy kernel on CPU tensors needs TRITON_INTERPRET=1")
     monkeypatch.setattr(context, "STEP_COPY", step_copy)
     pipe = _pipe(family)
     ex = pipe.family.masked
