@@ -4,7 +4,6 @@ isolation of a poisoned request, batch keys."""
 from __future__ import annotations
 
 import functools
-from collections import deque
 
 import pytest
 import torch
@@ -128,21 +127,25 @@ def test_a_request_of_another_resolution_is_not_starved() -> None:
     assert ran_small_at is not None and ran_small_at <= 4, ran_small_at
 
 
-def test_horizon_is_the_steps_until_the_batch_changes() -> None:
-    pipe = _pipe()
-    cont, static = get_policy("continuous"), get_policy("static")
-    a, b = _state(pipe, "a", steps=5), _state(pipe, "b", steps=3)
-    b.step_index = 1  # 2 steps left
-    assert cont.horizon([a], deque(), 4) == 5
-    assert cont.horizon([a, b], deque(), 4) == 2  # until b leaves
-    c = _state(pipe, "c", steps=4)
-    assert cont.horizon([a], deque([c]), 4) == 1  # c joins before the next step
-    assert cont.horizon([a], deque([c]), 1) == 5  # no room: c waits for a
-    assert static.horizon([a], deque([c]), 4) == 5  # static: c waits for the batch
-    big = _state(pipe, "big", steps=4, size=192)
-    assert cont.horizon([a], deque([big]), 4) == 5  # another resolution waits for a drain
-    a.step_index = 4
-    assert cont.horizon([a], deque([c]), 4) == 1  # a's last step: changes either way
+def test_horizon_is_the_steps_until_a_member_finishes() -> None:
+    """A request waiting for a place does not shorten it (it joins only when one leaves)."""
+    pipe = tiny_pipeline("sd2-inpaint")
+    seen = []
+    step = pipe.family.denoise_step
+
+    def spy(batch):
+        seen.append(pipe.family.masked.graphs.horizon)
+        step(batch)
+
+    pipe.family.denoise_step = spy
+    b = Batcher(pipe, get_policy("continuous"), max_batch=2)
+    for uid, steps in (("a", 4), ("x", 2), ("c", 3)):  # c waits: the batch holds two
+        b.submit(_state(pipe, uid, steps=steps))
+    while not b.idle:
+        b.iterate()
+    # a + x until x leaves; a + c until a leaves; c's last step alone
+    assert seen == [2, 1, 2, 1, 1]
+    assert [r.joined for r in b.records][2] == ["c"]
 
 
 def test_batcher_passes_the_horizon_and_logs_how_steps_ran() -> None:

@@ -17,6 +17,7 @@ import torch
 
 from instgenie.cache.store import InMemoryStore
 from instgenie.engine.graphs import (
+    COST_MIN_SAMPLES,
     COST_SAMPLES,
     CallCosts,
     StepGraphs,
@@ -195,8 +196,9 @@ SMALL, LARGE = "b1", "b8"
 def _costs() -> CallCosts:
     costs = CallCosts()
     for kind, small, large in (("eager", 64, 122), ("replay", 20, 120), ("capture", 80, 180)):
-        costs.add(kind, SMALL, small)
-        costs.add(kind, LARGE, large)
+        for _ in range(COST_MIN_SAMPLES):
+            costs.add(kind, SMALL, small)
+            costs.add(kind, LARGE, large)
     return costs
 
 
@@ -219,9 +221,14 @@ def test_capture_pays_without_knowledge() -> None:
     assert capture_pays(costs, SMALL, None)  # a caller that does not know its horizon
     assert capture_pays(costs, "b4", 1)  # no cost of that shape measured yet: measure it
     partial = CallCosts()
-    partial.add("eager", SMALL, 64)
-    partial.add("replay", SMALL, 20)
+    for _ in range(COST_MIN_SAMPLES):
+        partial.add("eager", SMALL, 64)
+        partial.add("replay", SMALL, 20)
     assert capture_pays(partial, SMALL, 1)  # never captured at that shape yet
+    for n in range(COST_MIN_SAMPLES):  # one slow capture is not yet a cost
+        assert capture_pays(partial, SMALL, 1)
+        partial.add("capture", SMALL, 5000.0 if n == 0 else 80.0)
+    assert not capture_pays(partial, SMALL, 1)
 
 
 def test_call_costs_are_the_median_of_the_newest() -> None:
@@ -229,6 +236,7 @@ def test_call_costs_are_the_median_of_the_newest() -> None:
     assert costs.ms("eager", SMALL) is None
     costs.add("eager", SMALL, 5000.0)  # the first call of a process compiles
     costs.add("eager", SMALL, 60.0)
+    assert costs.ms("eager", SMALL) is None  # fewer than COST_MIN_SAMPLES
     costs.add("eager", SMALL, 70.0)
     assert costs.ms("eager", SMALL) == 70.0
     for _ in range(COST_SAMPLES):

@@ -165,6 +165,8 @@ def test_step_modes_from_two_scrapes() -> None:
     assert modes["capture"]["mean_ms"] == pytest.approx(90.0)
     assert sum(v["share"] for v in modes.values()) == pytest.approx(1.0)
     assert modes["eager"]["share"] == pytest.approx(0.25)
+    # a server restarted between the reads: its counters went back; nothing is made up
+    assert report.step_modes(report.step_totals(m.render().decode()), before) == {}
 
 
 def test_summary_counts_failures_as_slo_misses() -> None:

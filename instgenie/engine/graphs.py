@@ -19,21 +19,21 @@ turn computes exactly what the plain masked path computes (tests/test_graphs.py 
 graph form; tests marked gpu check replay). A failed capture turns graphs off for the executor
 and the step runs eagerly (logged once).
 
-Whether call 2 captures (INSTGENIE_GRAPH_CAPTURE): "always" captures every eligible composition.
-"auto" (default) captures only when it is expected to pay before the composition changes. The
-serving loop knows how many more steps the batch keeps its members (`horizon`: until the first
-finishes, 1 when a waiting request joins next). Each kind of call is timed per batch shape
-(`CallCosts`), and a capture must satisfy capture + (horizon - 1) replays < horizon eager
-calls. Capturing runs the step's Python under capture and instantiates the graph while the GPU
-idles, so it costs more than an eager call; a replay is 3x faster than an eager call at batch 1
-(host-bound) and ~1.4x at batch 4-8 in a serving loop (docs/benchmarks/serving-h200.md). A
-composition not captured is asked again at each later call (its horizon may have grown). Unknown
-horizon (benchmarks, scripts) or a cost not measured yet for that shape: capture (it measures
-it). Under "auto" the warm-up call is skipped once a composition of the same batch shape has
-been captured in the process: a new composition is captured on its first call, its token sets
-built beforehand (`StepContext.prepare_tokens`). Under continuous batching every join or leave
-is a new composition, and a warm-up is an eager call (docs/benchmarks/serving-h200.md). If such
-a first-call capture fails, the process warms up first from then on.
+Whether and when a composition is captured (INSTGENIE_GRAPH_CAPTURE, decision 0020):
+- "always": every eligible composition on its second call (the behaviour above).
+- "auto" (default): only when it is expected to pay before the composition changes. The serving
+  loop passes each step's `horizon`: the steps until the batch's first member finishes (an upper
+  bound; arrivals are not predicted). Each kind of call is timed per batch shape (`CallCosts`),
+  and a capture needs capture + (horizon - 1) replays < horizon eager calls. A capture runs the
+  step's Python under capture and instantiates the graph while the GPU idles, so it costs more
+  than an eager call (in the serving benchmark, docs/benchmarks/serving-h200.md: replays 25-107
+  ms, warm-ups 92-178 ms, captures 104-268 ms for SDXL 1024²). A composition not captured is
+  asked again at each later call. An unknown horizon (benchmarks, scripts) or a cost measured
+  fewer than COST_MIN_SAMPLES times at that shape: capture (it measures it).
+- "auto" also skips the warm-up once a composition of the same batch shape has been captured in
+  the process: a new composition is captured on its first call, its token sets built beforehand
+  (`StepContext.prepare_tokens`). Under continuous batching every join or leave is a new
+  composition. If such a first-call capture fails, the process warms up first from then on.
 
 Modes (INSTGENIE_CUDA_GRAPHS): "all" (default) graphs every eligible batch, "masked" only
 batches that read a template cache, "off" none. Ineligible: CPU, capture runs (block outputs are
@@ -66,6 +66,9 @@ CALL_KINDS = ("capture", "warmup", "eager", "replay")
 CAPTURE_POLICIES = ("auto", "always")
 #: calls of one kind and batch shape whose median prices it (the newest are kept), count
 COST_SAMPLES = 8
+#: fewer samples than this and the cost counts as unknown (one slow first capture, e.g. a fresh
+#: memory pool's allocations, must not stop a shape from ever being captured again), count
+COST_MIN_SAMPLES = 3
 #: timed calls whose CUDA events are not read yet; older ones are dropped unread, count
 PENDING_TIMINGS = 64
 
@@ -82,8 +85,11 @@ class CallCosts:
         self._ms.setdefault((kind, shape), deque(maxlen=COST_SAMPLES)).append(ms)
 
     def ms(self, kind: str, shape: Hashable) -> float | None:
+        """The median, or None with fewer than COST_MIN_SAMPLES samples."""
         samples = self._ms.get((kind, shape))
-        return statistics.median(samples) if samples else None
+        if samples is None or len(samples) < COST_MIN_SAMPLES:
+            return None
+        return statistics.median(samples)
 
 
 def capture_pays(costs: CallCosts, shape: Hashable, horizon: int | None) -> bool:
@@ -232,6 +238,7 @@ class StepGraphs:
             out = self._capture(ctx, fn, entry, shape)
         except Exception as exc:
             torch.cuda.synchronize(self.device)
+            entry.graph = entry.output = None  # a failure after instantiation: no half graph
             if ctx is not None:
                 ctx.masked_blocks = []
                 ctx._joint.clear()  # built inside the failed capture

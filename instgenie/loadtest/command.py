@@ -181,7 +181,8 @@ def wait_ready(base: str, wait_s: float) -> None:
 
 
 #: the server reads its workers' step logs every health poll (0.5 s by default): after a phase,
-#: /metrics is read until two reads this far apart agree, at most STEPS_SETTLE_TRIES times
+#: /metrics is read until two reads this far apart agree, at most STEPS_SETTLE_TRIES times (a
+#: server polling less often than every STEPS_SETTLE_S / 2 can be read too early)
 STEPS_SETTLE_S = 1.0
 STEPS_SETTLE_TRIES = 10
 

@@ -92,11 +92,11 @@ def step_modes(before: dict, after: dict) -> dict:
     """The steps run between two scrapes, by graph mode: {"n", "mean_ms", "share"} each."""
     diff = {k: (n - before.get(k, (0, 0))[0], sec - before.get(k, (0, 0))[1])
             for k, (n, sec) in after.items()}  # fmt: skip
+    diff = {k: v for k, v in diff.items() if v[0] > 0}  # none, or counters that went back
     total = sum(n for n, _ in diff.values())
     return {
         k: {"n": int(n), "mean_ms": 1e3 * sec / n, "share": n / total}
         for k, (n, sec) in sorted(diff.items())
-        if n > 0
     }
 
 

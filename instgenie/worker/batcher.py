@@ -91,8 +91,7 @@ class Batcher:
         try:
             # no device sync: the host enqueues step n + 1 while the GPU runs step n, so the
             # recorded duration is host time between step starts (≈ GPU step time when busy)
-            horizon = self.policy.horizon(self.running, self.waiting, self.max_batch)
-            self.pipe.denoise_step(self.running, horizon)
+            self.pipe.denoise_step(self.running, self.horizon())
         except Exception as exc:  # the whole batch shares the failed step
             failed = [Retired(s, ("internal_error", f"denoising step failed: {exc}"))
                       for s in self.running]  # fmt: skip
@@ -125,6 +124,12 @@ class Batcher:
         if self.on_step is not None:
             self.on_step([s for s in self.running] + done)
         return retired
+
+    def horizon(self) -> int:
+        """Steps, the coming one included, that the running batch keeps its members unless a
+        request arrives or is aborted: until its first member finishes. An upper bound: every
+        waiting request that fits has just been admitted, and arrivals are not predicted."""
+        return min(s.num_steps - s.step_index for s in self.running)
 
     def _drop_aborted(self) -> list[Retired]:
         if not self._aborted:

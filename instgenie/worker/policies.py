@@ -44,18 +44,6 @@ class Policy:
             joined.append(waiting.popleft())
         return joined
 
-    def horizon(
-        self, running: list[RequestState], waiting: deque[RequestState], max_batch: int
-    ) -> int:
-        """Steps, the next one included, that `running` (after admission) keeps its members if
-        nothing else arrives: until its first member finishes, or 1 when a waiting request
-        joins before the step after (what `admit` would take then)."""
-        left = min(s.num_steps - s.step_index for s in running)
-        if left > 1 and waiting and not self.static and len(running) < max_batch:
-            if waiting[0].batch_key == running[0].batch_key:
-                return 1
-        return left
-
 
 POLICIES = {
     "continuous": Policy("continuous"),
