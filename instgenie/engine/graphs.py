@@ -149,8 +149,6 @@ class StepGraphs:
         self.max_graphs = max_graphs
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._pool = None
-        #: "eager" | "warmup" | "capture" | "replay": what the last call did (step log)
-        self.last: str = "eager"
         self.counters = dict.fromkeys(CALL_KINDS, 0)
         #: the graph form without CUDA (tests: the static path is checked on CPU)
         self.force_static = False
@@ -249,17 +247,14 @@ class StepGraphs:
                 self._entries = OrderedDict(
                     (k, e) for k, e in self._entries.items() if e is entry or e.graph is None
                 )
-                with use_context(ctx):
-                    out = self._call(fn, entry)
-                return self._done("warmup", out)
-            # an op that cannot be captured: stay eager from now on
-            log.warning("CUDA graph capture failed (%s: %s); running eagerly",
-                        type(exc).__name__, exc)  # fmt: skip
-            self.mode = "off"
-            self._entries.clear()
+            else:  # an op that cannot be captured: stay eager from now on
+                log.warning("CUDA graph capture failed (%s: %s); running eagerly",
+                            type(exc).__name__, exc)  # fmt: skip
+                self.mode = "off"
+                self._entries.clear()
             with use_context(ctx):
                 out = self._call(fn, entry)
-            return self._done("eager", out)
+            return self._done("warmup" if first else "eager", out)
         self._captured.add(shape)
         return self._done("capture", out)
 
@@ -288,7 +283,6 @@ class StepGraphs:
         self._done("eager", None)
 
     def _done(self, what: str, out: Any) -> Any:
-        self.last = what
         self.counters[what] += 1
         return out
 

@@ -187,17 +187,17 @@ STEPS_SETTLE_S = 1.0
 STEPS_SETTLE_TRIES = 10
 
 
-def scrape_steps(base: str, settle: bool = False) -> dict[str, tuple[float, float]] | None:
-    """The server's step totals by graph mode (report.step_totals), None when /metrics cannot
-    be read. `settle`: wait for the last steps' log to reach the server."""
+def scrape_steps(base: str) -> dict[str, tuple[float, float]] | None:
+    """The server's step totals by graph mode (report.step_totals) once the last steps' log has
+    reached it; None when /metrics cannot be read."""
     last = None
-    for _ in range(STEPS_SETTLE_TRIES if settle else 1):
+    for _ in range(STEPS_SETTLE_TRIES):
         try:
             with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
                 now = report.step_totals(resp.read().decode())
         except (OSError, ValueError):
             return None
-        if now == last or not settle:
+        if now == last:
             return now
         last = now
         time.sleep(STEPS_SETTLE_S)
@@ -333,14 +333,14 @@ def _run(args: argparse.Namespace, out: PendingOutput | None) -> int:
                 mask, got = workload.rect_mask(w, h, a.mask_ratio, rng)
                 bodies.append(edit_body(args, tpl, a.template, mask, a.seed, bool(f)))
                 achieved.append(got)
-            steps_before = scrape_steps(base, settle=True)  # the warm-ups' steps counted
+            steps_before = scrape_steps(base)  # the warm-ups' steps counted
             outcomes, wall = driver.run_phase(
                 base, bodies, [a.at_s for a in arrivals], achieved,
                 args.max_inflight, args.timeout_s,
             )  # fmt: skip
             stats = report.summarize(outcomes, wall, args.slo_ms)
             summary = {"phase": label, "rate": rate, **stats}
-            steps_after = scrape_steps(base, settle=True)
+            steps_after = scrape_steps(base)
             if steps_before is not None and steps_after is not None:
                 summary["steps"] = report.step_modes(steps_before, steps_after)
             print(json.dumps(summary), flush=True)
