@@ -9,7 +9,8 @@
 # SLO_MS (5000), PORT (8000), OUT (directory for the reports and the server log), DEVICE (one
 # worker per device, comma-separated), ROUTING (server default if empty), PROFILE (latency
 # profile JSON, none if empty), MODES ("masked full"), FULL_FRACTION (0.25, mode mixed),
-# MASK_RATIOS (loadtest default if empty), TEMPLATES (2), SEED (0: arrivals, masks, full draws).
+# MASK_RATIOS (loadtest default if empty), TEMPLATES (2), SEED (0: arrivals, masks, full draws),
+# SERVE_ARGS / LOADTEST_ARGS (extra flags, e.g. "--vae-dtype bf16", "--distinct-prompts").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL="${MODEL:-sdxl-inpaint:full}" SIZE="${SIZE:-1024}" STEPS="${STEPS:-20}"
@@ -22,6 +23,8 @@ py="${PYTHON:-python3}"
 serve=(--model "$MODEL" --devices "$DEVICE" --port "$PORT" --default-steps "$STEPS")
 [ -n "${ROUTING:-}" ] && serve+=(--routing "$ROUTING")
 [ -n "${PROFILE:-}" ] && serve+=(--profile "$PROFILE")
+# shellcheck disable=SC2206 # SERVE_ARGS is a list of extra `serve` flags
+[ -n "${SERVE_ARGS:-}" ] && serve+=($SERVE_ARGS)
 $py -m instgenie.server serve "${serve[@]}" > "$OUT/server.log" 2>&1 &
 server=$!
 stop() { kill -TERM "$server" 2>/dev/null || true; wait "$server" || true; }
@@ -36,6 +39,8 @@ done
 common=(--server "http://127.0.0.1:$PORT" --size "$SIZE" --templates "$TEMPLATES"
         --requests "$REQUESTS" --slo-ms "$SLO_MS" --seed "${SEED:-0}" --wait-ready-s 60)
 [ -n "${MASK_RATIOS:-}" ] && common+=(--mask-ratios "$MASK_RATIOS")
+# shellcheck disable=SC2206 # LOADTEST_ARGS is a list of extra `loadtest` flags
+[ -n "${LOADTEST_ARGS:-}" ] && common+=($LOADTEST_ARGS)
 for mode in $MODES; do
   case "$mode" in
     masked) extra=() ;;

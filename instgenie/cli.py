@@ -92,7 +92,7 @@ def _read(path: str | None, sample: str) -> bytes:
 
 def cmd_edit(args: argparse.Namespace) -> int:
     quiet_libraries()
-    from instgenie.engine.family import check_model_config
+    from instgenie.engine.family import check_model_config, family_options
     from instgenie.engine.pipeline import EditPipeline
     from instgenie.engine.request import EditRequest
 
@@ -119,7 +119,7 @@ def cmd_edit(args: argparse.Namespace) -> int:
     with PendingOutput(out) as pending:  # an unusable -o fails now, not after the model ran
         t0 = time.perf_counter()
         pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype,
-                                 limits=limits)  # fmt: skip
+                                 limits=limits, **family_options(model))  # fmt: skip
         t1 = time.perf_counter()
         state = pipe.preprocess(req)
         t2 = time.perf_counter()
@@ -148,13 +148,15 @@ def cmd_edit(args: argparse.Namespace) -> int:
 
 def cmd_bench_step(args: argparse.Namespace) -> int:
     quiet_libraries()
-    from instgenie.engine.family import check_model_config
+    from instgenie.engine.family import check_model_config, family_options
     from instgenie.engine.pipeline import EditPipeline
     from instgenie.engine.stepbench import bench_step
 
     model = dataclass_from_args(ModelConfig, args)
     check_model_config(model)
-    pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype)
+    pipe = EditPipeline.load(
+        model.model, device=model.device, dtype=model.dtype, **family_options(model)
+    )
     size = _bench_size(args.size, pipe.family)
     row = bench_step(pipe, args.mask_ratio, args.batch, size, args.warmup, args.iters)
     if args.json:
@@ -206,6 +208,7 @@ def _profile(args: argparse.Namespace, model: ModelConfig, pending: PendingOutpu
     import torch
 
     from instgenie.cache import profiler as P
+    from instgenie.engine.family import family_options
     from instgenie.engine.pipeline import EditPipeline
 
     if base is not None and torch.device(model.device).type != torch.device(base.device).type:
@@ -213,7 +216,9 @@ def _profile(args: argparse.Namespace, model: ModelConfig, pending: PendingOutpu
             "device", f"{args.output} was fitted on {base.device}; its stages cannot be timed "
             f"on {model.device} (pass --device)",
         )  # fmt: skip
-    pipe = EditPipeline.load(model.model, device=model.device, dtype=model.dtype)
+    pipe = EditPipeline.load(
+        model.model, device=model.device, dtype=model.dtype, **family_options(model)
+    )
     fam = pipe.family
     dtype = str(fam.dtype).removeprefix("torch.")
     if base is not None and dtype != base.dtype:

@@ -20,6 +20,11 @@ class ModelConfig:
     device: str = "cpu"
     #: weights/activation dtype; "auto" = float32 on CPU, the family's GPU dtype on CUDA
     dtype: str = "auto"
+    #: VAE dtype; "auto" = the family's choice (SDXL with float16 weights: float32, as its VAE
+    #: config asks; otherwise the model's dtype), or a dtype name such as "bf16" (decision 0021)
+    vae_dtype: str = "auto"
+    #: capacity of each model process's prompt-encoder output cache, bytes; 0 turns it off
+    prompt_cache_bytes: int = 256 << 20
 
 
 @dataclass(frozen=True)

@@ -333,3 +333,18 @@ def test_loadtest_against_a_real_server(srv: ServerProcess, capsys, tmp_path: Pa
     assert 0 < sum(r["full_sent"] for r in rows) < 6  # seed 5 draws both kinds
     for r in rows:
         assert (r["path"], r["cache"]) == (("full", None) if r["full_sent"] else ("masked", "hit"))
+
+
+@pytest.mark.parametrize("distinct", [False, True])
+def test_distinct_prompts_give_every_edit_its_own_prompt(distinct: bool) -> None:
+    import argparse
+
+    from instgenie.loadtest.command import Templates, edit_body
+
+    args = argparse.Namespace(prompt="a red jacket", distinct_prompts=distinct,
+                              output_format="png", steps=None, guidance=None)  # fmt: skip
+    tpl = Templates()
+    tpl.ids, tpl.sizes, tpl.images = ["t0"], [(64, 64)], [None]
+    prompts = {edit_body(args, tpl, 0, b"m", seed=s)["prompt"] for s in range(5)}
+    assert prompts == ({f"a red jacket, variant {s}" for s in range(5)} if distinct
+                       else {"a red jacket"})  # fmt: skip

@@ -89,6 +89,14 @@ def test_template_build_then_masked_edit_hits_the_cache(srv: ServerProcess) -> N
     assert (r.json()["path"], r.json()["template_id"]) == ("masked", tid)
     assert decoded(r.json()["image"]).format == "WEBP"
     assert srv.metric("instgenie_cache_hits_total", tier=body["cache_tier"]) >= 2
+    # both edits asked for "a hat": the second took the loop's prompt-encoder cache (the
+    # worker's stats reach /metrics with the health poll)
+    deadline = time.monotonic() + 30
+    while srv.metric("instgenie_prompt_cache_hits_total", worker="0") < 1:
+        assert time.monotonic() < deadline, "no prompt cache hit reported"
+        time.sleep(0.2)
+    assert srv.metric("instgenie_prompt_cache_misses_total", worker="0") >= 2  # capture + 1st
+    assert srv.metric("instgenie_prompt_cache_bytes", worker="0") > 0
 
     # DELETE removes it everywhere: unknown afterwards, and edits naming it are refused
     assert srv.delete(f"/v1/templates/{tid}").json() == {

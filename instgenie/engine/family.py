@@ -152,21 +152,39 @@ def check_model_config(model: ModelConfig) -> None:
             raise ValidationError("device", f"{model.device!r}: there are {count} CUDA devices")
     elif device.type != "cpu":
         raise ValidationError("device", f"{model.device!r}: only cpu and cuda[:N] are supported")
-    if model.dtype != "auto":
-        from instgenie.engine.build import parse_dtype
+    for name in ("dtype", "vae_dtype"):
+        value = getattr(model, name)
+        if value != "auto":
+            from instgenie.engine.build import parse_dtype
 
-        try:
-            parse_dtype(model.dtype)
-        except ValueError as exc:
-            raise ValidationError("dtype", str(exc)) from None
+            try:
+                parse_dtype(value)
+            except ValueError as exc:
+                raise ValidationError(name, str(exc)) from None
+    if not model.prompt_cache_bytes >= 0:
+        raise ValidationError(
+            "prompt_cache_bytes", f"must be >= 0 bytes, got {model.prompt_cache_bytes}"
+        )
+
+
+def family_options(model: ModelConfig) -> dict[str, Any]:
+    """load_family's keyword arguments that come from the model config besides device/dtype."""
+    return {"vae_dtype": model.vae_dtype, "prompt_cache_bytes": model.prompt_cache_bytes}
 
 
 def load_family(
-    spec: str | ModelSpec, device: str = "cpu", dtype: str = "auto", parts: str = "all"
+    spec: str | ModelSpec,
+    device: str = "cpu",
+    dtype: str = "auto",
+    parts: str = "all",
+    *,
+    vae_dtype: str = "auto",
+    prompt_cache_bytes: int | None = None,
 ) -> ModelFamily:
     """Build or load a model family adapter. Never touches the network. `parts`: "all",
     "backbone" (denoise loop), "stages" (pre/post-processing) or "none" (image codec work
-    only); see AdapterBase.load."""
+    only); see AdapterBase.load. `vae_dtype`: "auto" (the family's choice) or a dtype name;
+    `prompt_cache_bytes`: None = the default capacity (ModelConfig)."""
     spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(spec)
     cls = _registry()[spec.family]
     if device.startswith("cuda") and torch.device(device).index is not None:
@@ -177,4 +195,16 @@ def load_family(
     if device.startswith("cuda") and env.cudnn_benchmark():
         # shapes repeat every step: let cuDNN time its convolution algorithms once per shape
         torch.backends.cudnn.benchmark = True
-    return cls.load(spec, device=device, dtype=resolve_dtype(cls, device, dtype), parts=parts)
+    from instgenie.engine.build import parse_dtype
+
+    extra: dict[str, Any] = {}
+    if prompt_cache_bytes is not None:
+        extra["prompt_cache_bytes"] = prompt_cache_bytes
+    return cls.load(
+        spec,
+        device=device,
+        dtype=resolve_dtype(cls, device, dtype),
+        parts=parts,
+        vae_dtype=None if vae_dtype == "auto" else parse_dtype(vae_dtype),
+        **extra,
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from PIL import Image
@@ -96,8 +97,10 @@ class EditPipeline:
         device: str = "cpu",
         dtype: str = "auto",
         limits: LimitsConfig | None = None,
+        **options: Any,
     ) -> EditPipeline:
-        return cls(load_family(model, device=device, dtype=dtype), limits)
+        """`options`: load_family's keywords (engine.family.family_options)."""
+        return cls(load_family(model, device=device, dtype=dtype, **options), limits)
 
     # ---- validation ----------------------------------------------------------------------------
     def _check_fields(self, req: EditRequest | TemplateSpec) -> None:

@@ -128,6 +128,11 @@ def add_loadtest_parser(sub) -> None:
     p.add_argument("--steps", type=pos_int, default=None, help="default: the server's")
     p.add_argument("--guidance", type=_number(float, 0, False), default=None)
     p.add_argument("--prompt", default="a red jacket")
+    p.add_argument(
+        "--distinct-prompts",
+        action="store_true",
+        help="give every edit its own prompt (PROMPT plus its seed): no prompt-cache hits",
+    )
     p.add_argument("--output-format", choices=["png", "jpeg", "webp"], default="png")
     p.add_argument(
         "--warmup",
@@ -257,7 +262,8 @@ def edit_body(
     args: argparse.Namespace, tpl: Templates, idx: int, mask: bytes, seed: int, full: bool = False
 ) -> dict:
     """The edit of template `idx`; `full`: of an unregistered image of its size instead."""
-    body: dict = {"mask": base64.b64encode(mask).decode(), "prompt": args.prompt, "seed": seed,
+    prompt = f"{args.prompt}, variant {seed}" if args.distinct_prompts else args.prompt
+    body: dict = {"mask": base64.b64encode(mask).decode(), "prompt": prompt, "seed": seed,
                   "output_format": args.output_format}  # fmt: skip
     if full and tpl.ids[idx] is not None:
         w, h = tpl.sizes[idx]

@@ -24,6 +24,13 @@ _MIRRORED = {  # worker Stats prefix -> (metric name, help)
     "cache_bytes_loaded_": ("instgenie_worker_cache_bytes_loaded", "Bytes loaded, by tier"),
 }
 
+_PROMPT_CACHE = {  # worker Stats key -> (metric name, help); the loop's prompt-encoder cache
+    "prompt_hits": ("instgenie_prompt_cache_hits", "Prompt encodes answered from the cache"),
+    "prompt_misses": ("instgenie_prompt_cache_misses", "Prompt encodes run (cache misses)"),
+    "prompt_evictions": ("instgenie_prompt_cache_evictions", "Prompt cache entries evicted"),
+    "prompt_bytes": ("instgenie_prompt_cache_bytes", "Bytes held by the prompt cache"),
+}
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -134,6 +141,12 @@ def live_families(server_queue: int, workers: list[dict], templates: dict[str, i
     mirrored = {
         p: CounterMetricFamily(n, h, labels=["worker", "tier"]) for p, (n, h) in _MIRRORED.items()
     }
+    prompts = {
+        k: (GaugeMetricFamily if k == "prompt_bytes" else CounterMetricFamily)(
+            name, help_, labels=["worker"]
+        )
+        for k, (name, help_) in _PROMPT_CACHE.items()
+    }
     for w in workers:
         label, stats = [str(w["index"])], w["stats"]
         gauges["in_flight"].add_metric(label, w["in_flight"])
@@ -141,6 +154,9 @@ def live_families(server_queue: int, workers: list[dict], templates: dict[str, i
         gauges["batch"].add_metric(label, stats.get("batch_size_last", 0))
         gauges["up"].add_metric(label, 1.0 if w["up"] else 0.0)
         restarts.add_metric(label, w["restarts"])
+        for k, family in prompts.items():
+            if k in stats:
+                family.add_metric(label, stats[k])
         for name, value in stats.items():
             for prefix, family in mirrored.items():
                 if name.startswith(prefix):
@@ -148,6 +164,7 @@ def live_families(server_queue: int, workers: list[dict], templates: dict[str, i
     yield from gauges.values()
     yield restarts
     yield from mirrored.values()
+    yield from prompts.values()
     t = GaugeMetricFamily("instgenie_templates", "Registered templates by state", labels=["state"])
     for state in ("building", "ready", "failed"):
         t.add_metric([state], templates.get(state, 0))

@@ -165,11 +165,12 @@ class ChildRuntime:
         """The role's EditPipeline: only `parts` of the model are materialised; `store`: use the
         worker's activation store (else an empty in-memory one)."""
         from instgenie.cache.profiler import Profile, check_profile
-        from instgenie.engine.family import load_family
+        from instgenie.engine.family import family_options, load_family
         from instgenie.engine.pipeline import EditPipeline
 
         m = self.config.model
-        family = load_family(m.model, device=device, dtype=m.dtype, parts=parts)
+        family = load_family(m.model, device=device, dtype=m.dtype, parts=parts,
+                             **family_options(m))  # fmt: skip
         profile = Profile.load_file(self.wcfg.profile) if self.wcfg.profile else None
         if profile is not None and parts == "stages":
             profile = None  # the planner is the loop's business

@@ -352,14 +352,17 @@ class Loop:
             self.reported = self.batcher.steps
 
     def _cache_counters(self) -> dict[str, float]:
-        """The host cache's counters, at most once a second (reading them takes the host lock),
-        or at once after this loop added or deleted an entry."""
+        """The prompt cache's counters (`prompt_*`), and the host cache's at most once a second
+        (reading them takes the host lock) or at once after this loop added or deleted an
+        entry."""
+        out = self.pipe.family.prompts.stats()
         tiered = getattr(self.pipe.store, "tiered", None)
         now = time.monotonic()
         if tiered is None or (now - self.cache_read_at < 1.0 and not self.cache_changed):
-            return {}
+            return out
         self.cache_read_at, self.cache_changed = now, False
-        return {k: float(v) for k, v in tiered.stats().items() if isinstance(v, (int, float))}
+        out.update((k, float(v)) for k, v in tiered.stats().items() if isinstance(v, (int, float)))
+        return out
 
 
 def run(rt: ChildRuntime) -> None:

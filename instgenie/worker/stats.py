@@ -36,6 +36,8 @@ def worker_stats(sup: Supervisor) -> dict[str, float]:
     for k in ("evictions_dram", "evictions_disk", "bytes_dram", "bytes_disk", "corrupt"):
         if k in sup.cache_stats:
             out[f"cache_{k}"] = sup.cache_stats[k]
+    # the loop's prompt-encoder cache (model_stages="loop"; pre processes keep their own)
+    out.update((k, v) for k, v in sup.cache_stats.items() if k.startswith("prompt_"))
     if sup.steps:  # 0 once the loop reports an empty batch (the gauge must come back down)
         idle = all(c.running == 0 for c in sup.children if c.role == "loop")
         out["batch_size_last"] = 0.0 if idle else float(len(sup.steps[-1].members))

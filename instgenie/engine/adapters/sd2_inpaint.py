@@ -90,8 +90,11 @@ class SD2Inpaint(UNetInpaintAdapter):
         )
 
     def encode_prompt(self, request: EditRequest, do_cfg: bool, height: int, width: int) -> dict:
-        pos, neg = self.pipe.encode_prompt(
-            request.prompt, self.device, 1, do_cfg, negative_prompt=request.negative_prompt
+        pos, neg = self.prompts.get(
+            (request.prompt, request.negative_prompt, do_cfg),
+            lambda: self.pipe.encode_prompt(
+                request.prompt, self.device, 1, do_cfg, negative_prompt=request.negative_prompt
+            ),
         )
         return {"prompt_embeds": torch.cat([neg, pos]) if do_cfg else pos}
 

@@ -1,7 +1,8 @@
 """`sdxl-inpaint`: SDXL inpainting (9-channel UNet, CLIP-L + OpenCLIP-bigG, 1024²).
 
 With fp16 weights the VAE is kept in float32 (its config asks for `force_upcast`); diffusers
-upcasts it around every call instead, which mutates shared module state.
+upcasts it around every call instead, which mutates shared module state. ModelConfig.vae_dtype
+overrides it (decision 0021).
 """
 
 from __future__ import annotations
@@ -111,19 +112,25 @@ class SDXLInpaint(UNetInpaintAdapter):
             scheduler=EulerDiscreteScheduler(**SCHEDULER_CONFIG),
         )
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def auto_vae_dtype(self) -> torch.dtype:
+        # the released SDXL VAE overflows in float16: diffusers upcasts it around every call when
+        # its config asks (force_upcast); we keep it in float32 instead. bfloat16 (float32's
+        # exponent range) is what diffusers runs for a bfloat16 pipeline: ModelConfig.vae_dtype
         if self.dtype == torch.float16 and self.vae.config.force_upcast:
-            self.vae.to(torch.float32)
+            return torch.float32
+        return self.dtype
 
     def encode_prompt(self, request: EditRequest, do_cfg: bool, height: int, width: int) -> dict:
         pipe = self.pipe
-        pe, npe, ppe, nppe = pipe.encode_prompt(
-            prompt=request.prompt,
-            device=self.device,
-            num_images_per_prompt=1,
-            do_classifier_free_guidance=do_cfg,
-            negative_prompt=request.negative_prompt,
+        pe, npe, ppe, nppe = self.prompts.get(
+            (request.prompt, request.negative_prompt, do_cfg),
+            lambda: pipe.encode_prompt(
+                prompt=request.prompt,
+                device=self.device,
+                num_images_per_prompt=1,
+                do_classifier_free_guidance=do_cfg,
+                negative_prompt=request.negative_prompt,
+            ),
         )
         proj_dim = (
             pipe.text_encoder_2.config.projection_dim

@@ -87,7 +87,6 @@ class UNetInpaintAdapter(AdapterBase):
         super().__init__(*args, **kwargs)
         unet = self.pipe.unet
         self.unet = unet
-        self.vae = self.pipe.vae
         # image sides must survive VAE downscaling and every UNet downsampler
         self.granule = self.pipe.vae_scale_factor * 2 ** (len(unet.config.block_out_channels) - 1)
         self.prediction_type = self.pipe.scheduler.config.prediction_type
@@ -234,8 +233,8 @@ class UNetInpaintAdapter(AdapterBase):
     # ---- post-process ------------------------------------------------------------------------
     def decode(self, batch: list[RequestState]) -> list[Image.Image]:
         latents = torch.cat([s.latents for s in batch])
-        image = self.vae.decode(self.unscale_latents(latents), return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="pil")
+        latents = self.unscale_latents(latents).to(self.vae.dtype)
+        return self.to_pil(self.vae.decode(latents, return_dict=False)[0])
 
     def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return latents / self.vae.config.scaling_factor

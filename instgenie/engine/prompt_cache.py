@@ -1,0 +1,73 @@
+"""An LRU of prompt-encoder outputs, keyed by the texts (and flags) that produced them.
+
+Edits on a template repeat their prompts (a try-on garment, a retouch instruction): the text
+encoders, run per request, took 36 ms (SDXL: CLIP-L + OpenCLIP-bigG) and 35 ms (Flux: CLIP-L +
+T5-XXL) of each request's encode on an H100 (docs/benchmarks/stages-h100.md), in the denoise
+loop's process, between steps. The encoders are deterministic functions of the token ids (eval
+mode, no dropout), so a hit returns the tensors encoding would return.
+
+Invariants: capacity and `bytes` are in bytes of tensor storage (numel * element size); an
+entry larger than the whole capacity is not kept; capacity 0 keeps nothing. The returned tensors
+are shared by every request that hits: consumers must not write to them (the families
+concatenate or copy them into each step's inputs; tests/test_prompt_cache.py checks that a
+request's output is unchanged by its prompt being cached).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import torch
+
+Entry = tuple[torch.Tensor | None, ...]
+
+
+def entry_bytes(entry: Entry) -> int:
+    return sum(t.numel() * t.element_size() for t in entry if t is not None)
+
+
+class PromptCache:
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"prompt cache capacity must be >= 0 bytes, got {capacity_bytes}")
+        self.capacity = int(capacity_bytes)
+        self._entries: OrderedDict[Hashable, tuple[Entry, int]] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, key: Hashable, encode: Callable[[], Entry]) -> Entry:
+        """The cached entry for `key`, or `encode()`'s result (kept if it fits)."""
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return hit[0]
+        self.misses += 1
+        entry = tuple(encode())
+        size = entry_bytes(entry)
+        if 0 < size <= self.capacity:
+            while self.bytes + size > self.capacity:
+                _, (_, old) = self._entries.popitem(last=False)
+                self.bytes -= old
+                self.evictions += 1
+            self._entries[key] = (entry, size)
+            self.bytes += size
+        return entry
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the worker's Stats (prefix `prompt_`)."""
+        return {
+            "prompt_hits": float(self.hits),
+            "prompt_misses": float(self.misses),
+            "prompt_evictions": float(self.evictions),
+            "prompt_bytes": float(self.bytes),
+            "prompt_entries": float(len(self._entries)),
+        }
