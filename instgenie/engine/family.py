@@ -179,12 +179,12 @@ def load_family(
     parts: str = "all",
     *,
     vae_dtype: str = "auto",
-    prompt_cache_bytes: int | None = None,
+    prompt_cache_bytes: int = ModelConfig.prompt_cache_bytes,
 ) -> ModelFamily:
     """Build or load a model family adapter. Never touches the network. `parts`: "all",
     "backbone" (denoise loop), "stages" (pre/post-processing) or "none" (image codec work
     only); see AdapterBase.load. `vae_dtype`: "auto" (the family's choice) or a dtype name;
-    `prompt_cache_bytes`: None = the default capacity (ModelConfig)."""
+    `prompt_cache_bytes`: the prompt cache's capacity (0: off)."""
     spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(spec)
     cls = _registry()[spec.family]
     if device.startswith("cuda") and torch.device(device).index is not None:
@@ -197,14 +197,11 @@ def load_family(
         torch.backends.cudnn.benchmark = True
     from instgenie.engine.build import parse_dtype
 
-    extra: dict[str, Any] = {}
-    if prompt_cache_bytes is not None:
-        extra["prompt_cache_bytes"] = prompt_cache_bytes
     return cls.load(
         spec,
         device=device,
         dtype=resolve_dtype(cls, device, dtype),
         parts=parts,
         vae_dtype=None if vae_dtype == "auto" else parse_dtype(vae_dtype),
-        **extra,
+        prompt_cache_bytes=prompt_cache_bytes,
     )

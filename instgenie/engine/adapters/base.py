@@ -14,6 +14,7 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
+from instgenie.config import ModelConfig
 from instgenie.engine.build import build_seeded
 from instgenie.engine.family import ModelSpec
 from instgenie.engine.fused_conv import fuse_conv_bias
@@ -27,8 +28,8 @@ log = logging.getLogger(__name__)
 
 #: seed of every random-weight model; identical in every process (see build.build_seeded)
 WEIGHTS_SEED = 0
-#: default capacity of each adapter's prompt-encoder cache, bytes (ModelConfig.prompt_cache_bytes)
-PROMPT_CACHE_BYTES = 256 << 20
+#: default capacity of each adapter's prompt-encoder cache, bytes
+PROMPT_CACHE_BYTES: int = ModelConfig.prompt_cache_bytes
 
 #: which model parts a process does not need (built on the meta device: configs, no weights)
 META_PARTS: dict[str, frozenset[str]] = {
@@ -97,7 +98,7 @@ class AdapterBase:
         #: prompt-encoder outputs by prompt (engine/prompt_cache.py); 0 bytes: off
         self.prompts = PromptCache(prompt_cache_bytes)
         # GroupNorm (+ SiLU) of UNet and VAE ResNets through one Triton kernel pair on CUDA
-        for part in (self.backbone, getattr(pipe, "vae", None)):
+        for part in (self.backbone, self.vae):
             if part is not None:
                 fuse_group_norms(part)
                 fuse_conv_bias(part)  # Conv2d biases by a vectorised kernel on CUDA
