@@ -1,7 +1,8 @@
 """GPU benchmark: the per-request stages around the denoise loop, and the VAE's precision/layout.
 
 Times, for one family at one resolution (median of `--iters` after warm-up, synchronised host
-clock): the prompt encode, the adapter's whole `prepare` with the prompt cache warm and off, its
+clock): the prompt encode with eager and CUDA-graphed text towers (and whether they agree
+exactly), the adapter's whole `prepare` with the prompt cache warm and off, its
 `decode`, the VAE encode of one image, the VAE decode of 1 and 4 latents, the tensor -> PIL
 conversion (diffusers' image processor and the adapter's device-side form) and the PNG/JPEG
 encode. The VAE parts run once per variant (dtype x
@@ -85,19 +86,47 @@ def main() -> None:
     report: dict = {"env": environment(dev), "model": args.model, "size": args.size}
     req = EditRequest(uid="b", image=b"", mask=b"", prompt="a red jacket with gold buttons")
 
-    # ---- prompt encode (the encoders themselves: prompt cache off) ----
+    # ---- prompt encode (the encoders themselves: prompt cache off), eager and graphed towers ----
     capacity, fam.prompts.capacity = fam.prompts.capacity, 0
     if hasattr(fam, "encode_prompt"):
         cfg = fam.uses_cfg(fam.default_guidance)
-        ms, _ = timed(lambda: fam.encode_prompt(req, cfg, args.size, args.size), args.iters)
+
+        def encode() -> object:
+            return fam.encode_prompt(req, cfg, args.size, args.size)
     else:  # flux: the pipeline's own encode_prompt (CLIP + T5)
-        ms, _ = timed(
-            lambda: pipe.encode_prompt(
+
+        def encode() -> object:
+            return pipe.encode_prompt(
                 prompt=req.prompt, prompt_2=None, device=dev, max_sequence_length=fam.text_len
-            ),
-            args.iters,
-        )
-    report["prompt_encode_ms"] = ms
+            )
+
+    with torch.inference_mode():
+        for mode in ("off", "all"):  # text-encoder graphs off (eager towers), then on
+            for wrapped in fam.text_graphs.values():
+                wrapped.graphs.mode = mode
+            if mode == "off":
+                report["prompt_encode_eager_ms"], eager_out = timed(encode, args.iters)
+                continue
+            # graphed: a shape's first call warms up, captures and replays; the graphs' pools
+            # stay reserved (empty_cache cannot release them)
+            if dev.type == "cuda":
+                sync()
+                torch.cuda.empty_cache()
+                reserved = torch.cuda.memory_reserved(dev)
+            report["prompt_encode_first_call_ms"] = timed(encode, 1, 0)[0]
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+                report["text_graphs_reserved_mib"] = (
+                    torch.cuda.memory_reserved(dev) - reserved
+                ) / 2**20
+            report["prompt_encode_ms"], out = timed(encode, args.iters, 0)
+    report["text_encoder_graphs"] = {k: dict(w.counters) for k, w in fam.text_graphs.items()}
+    flat_a, flat_b = (torch.utils._pytree.tree_leaves(o) for o in (eager_out, out))
+    pairs = [(a, b) for a, b in zip(flat_a, flat_b, strict=True) if torch.is_tensor(a)]
+    report["prompt_encode_graph_equal"] = all(torch.equal(a, b) for a, b in pairs)
+    report["prompt_encode_graph_max_abs_diff"] = max(
+        float((a.float() - b.float()).abs().max()) for a, b in pairs
+    )
     fam.prompts.capacity = capacity
 
     # ---- the whole pre-process model half (prompt, VAE encode, noise), as loaded ----

@@ -25,6 +25,9 @@ class ModelConfig:
     vae_dtype: str = "auto"
     #: capacity of each model process's prompt-encoder output cache, bytes; 0 turns it off
     prompt_cache_bytes: int = 256 << 20
+    #: replay the text encoders' forward from CUDA graphs on CUDA (prompt-cache misses; decision
+    #: 0022); INSTGENIE_CUDA_GRAPHS=off also turns it off
+    text_encoder_graphs: bool = True
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,11 @@ def check_model_config(model: ModelConfig) -> None:
 
 def family_options(model: ModelConfig) -> dict[str, Any]:
     """load_family's keyword arguments that come from the model config besides device/dtype."""
-    return {"vae_dtype": model.vae_dtype, "prompt_cache_bytes": model.prompt_cache_bytes}
+    return {
+        "vae_dtype": model.vae_dtype,
+        "prompt_cache_bytes": model.prompt_cache_bytes,
+        "text_encoder_graphs": model.text_encoder_graphs,
+    }
 
 
 def load_family(
@@ -180,11 +184,13 @@ def load_family(
     *,
     vae_dtype: str = "auto",
     prompt_cache_bytes: int = ModelConfig.prompt_cache_bytes,
+    text_encoder_graphs: bool = ModelConfig.text_encoder_graphs,
 ) -> ModelFamily:
     """Build or load a model family adapter. Never touches the network. `parts`: "all",
     "backbone" (denoise loop), "stages" (pre/post-processing) or "none" (image codec work
     only); see AdapterBase.load. `vae_dtype`: "auto" (the family's choice) or a dtype name;
-    `prompt_cache_bytes`: the prompt cache's capacity (0: off)."""
+    `prompt_cache_bytes`: the prompt cache's capacity (0: off); `text_encoder_graphs`: replay the
+    text encoders from CUDA graphs on CUDA (engine/encoder_graphs.py)."""
     spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(spec)
     cls = _registry()[spec.family]
     if device.startswith("cuda") and torch.device(device).index is not None:
@@ -204,4 +210,5 @@ def load_family(
         parts=parts,
         vae_dtype=None if vae_dtype == "auto" else parse_dtype(vae_dtype),
         prompt_cache_bytes=prompt_cache_bytes,
+        text_encoder_graphs=text_encoder_graphs,
     )

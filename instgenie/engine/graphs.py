@@ -71,6 +71,8 @@ COST_SAMPLES = 8
 COST_MIN_SAMPLES = 3
 #: timed calls whose CUDA events are not read yet; older ones are dropped unread, count
 PENDING_TIMINGS = 64
+#: stands for a tensor among a call's pytree leaves (None is a real argument: attention_mask=None)
+_TENSOR = object()
 
 
 class CallCosts:
@@ -110,12 +112,13 @@ class _Entry:
 
     static_inputs: list[torch.Tensor]
     spec: Any  # pytree spec of (args, kwargs)
-    leaves: list[Any]  # non-tensor leaves; tensors are taken from static_inputs
+    leaves: list[Any]  # non-tensor leaves; _TENSOR marks those taken from static_inputs
     #: first batch row of each cache-reading request -> (1,) int64 step index on the device
     step_index: dict[int, torch.Tensor] | None
     calls: int = 0
     graph: Any = None
-    output: torch.Tensor | None = None
+    #: the captured call's output: a tensor or a pytree of them (text encoders' ModelOutput)
+    output: Any = None
     #: what the captured StepContext recorded (replays do not run the Python blocks)
     masked_blocks: list[int] = field(default_factory=list)
     #: token sets the graph reads (kept alive with it)
@@ -192,7 +195,7 @@ class StepGraphs:
         while tensor shapes, dtypes and every non-tensor argument are unchanged."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        leaves = [None if isinstance(x, torch.Tensor) else x for x in flat]
+        leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
         full_key = (
             key,
             spec,
@@ -235,7 +238,7 @@ class StepGraphs:
         try:
             out = self._capture(ctx, fn, entry, shape)
         except Exception as exc:
-            torch.cuda.synchronize(self.device)
+            end_failed_capture(self.device)
             entry.graph = entry.output = None  # a failure after instantiation: no half graph
             if ctx is not None:
                 ctx.masked_blocks = []
@@ -289,7 +292,7 @@ class StepGraphs:
     @staticmethod
     def _call(fn: Callable[..., torch.Tensor], entry: _Entry) -> torch.Tensor:
         it = iter(entry.static_inputs)
-        flat = [next(it) if leaf is None else leaf for leaf in entry.leaves]
+        flat = [next(it) if leaf is _TENSOR else leaf for leaf in entry.leaves]
         args, kwargs = pytree.tree_unflatten(flat, entry.spec)
         return fn(*args, **kwargs)
 
@@ -329,7 +332,8 @@ class StepGraphs:
     @staticmethod
     def _replay(entry: _Entry) -> torch.Tensor:
         entry.graph.replay()
-        return entry.output.clone()
+        # out of the graph's pool: the next replay overwrites it
+        return pytree.tree_map_only(torch.Tensor, torch.clone, entry.output)
 
     def _capture(self, ctx: StepContext | None, fn, entry: _Entry, shape: Hashable) -> torch.Tensor:
         if self._pool is None or len(self) == 0:
@@ -360,6 +364,27 @@ class StepGraphs:
 
     def __len__(self) -> int:
         return sum(1 for e in self._entries.values() if e.graph is not None)
+
+
+def end_failed_capture(device: torch.device) -> None:
+    """Leave the device usable after a capture that raised. Such a capture never runs the CUDA
+    generators' capture epilogue: the default generator stays marked as capturing and every later
+    random op on the device fails ("Offset increment outside graph capture encountered
+    unexpectedly"), e.g. the next model build or `torch.randn`. A capture that ends normally
+    clears the mark, so one trivial graph is captured and dropped (tests/test_encoder_graphs.py,
+    marked gpu, checks `torch.randn` after a failed capture)."""
+    torch.cuda.synchronize(device)
+    try:
+        with torch.cuda.device(device):
+            scratch = torch.zeros(1, device=device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                scratch.add_(1)
+            del graph
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # the step still runs eagerly; random ops may fail from here on
+        log.warning("could not reset CUDA graph capture state after a failed capture (%s: %s)",
+                    type(exc).__name__, exc)  # fmt: skip
 
 
 def costliest_mode(after: dict[str, int], before: dict[str, int]) -> str:

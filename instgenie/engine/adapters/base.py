@@ -14,8 +14,10 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
+from instgenie import env
 from instgenie.config import ModelConfig
 from instgenie.engine.build import build_seeded
+from instgenie.engine.encoder_graphs import graph_text_encoders
 from instgenie.engine.family import ModelSpec
 from instgenie.engine.fused_conv import fuse_conv_bias
 from instgenie.engine.fused_geglu import fuse_geglu
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 WEIGHTS_SEED = 0
 #: default capacity of each adapter's prompt-encoder cache, bytes
 PROMPT_CACHE_BYTES: int = ModelConfig.prompt_cache_bytes
+TEXT_ENCODER_GRAPHS: bool = ModelConfig.text_encoder_graphs
 
 #: which model parts a process does not need (built on the meta device: configs, no weights)
 META_PARTS: dict[str, frozenset[str]] = {
@@ -81,6 +84,7 @@ class AdapterBase:
         *,
         vae_dtype: torch.dtype | None = None,
         prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
+        text_encoder_graphs: bool = TEXT_ENCODER_GRAPHS,
     ) -> None:
         self.spec = spec
         self.pipe = pipe
@@ -97,6 +101,12 @@ class AdapterBase:
                 self.vae.to(target)
         #: prompt-encoder outputs by prompt (engine/prompt_cache.py); 0 bytes: off
         self.prompts = PromptCache(prompt_cache_bytes)
+        #: text towers replayed from CUDA graphs, by pipeline attribute (engine/encoder_graphs.py)
+        self.text_graphs = (
+            graph_text_encoders(pipe, device)
+            if text_encoder_graphs and env.cuda_graphs() != "off"
+            else {}
+        )
         # GroupNorm (+ SiLU) of UNet and VAE ResNets through one Triton kernel pair on CUDA
         for part in (self.backbone, self.vae):
             if part is not None:
@@ -133,11 +143,13 @@ class AdapterBase:
         parts: str = "all",
         vae_dtype: torch.dtype | None = None,
         prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
+        text_encoder_graphs: bool = TEXT_ENCODER_GRAPHS,
     ) -> AdapterBase:
         """parts: "all"; "backbone" (the denoise loop: text encoders and VAE are built on the
         meta device, configs only, no memory); "stages" (pre/post-processing: the backbone on
         meta). Local directories always load every part. `vae_dtype`: None = the family's choice
-        (auto_vae_dtype); `prompt_cache_bytes`: the prompt cache's capacity (0: off)."""
+        (auto_vae_dtype); `prompt_cache_bytes`: the prompt cache's capacity (0: off);
+        `text_encoder_graphs`: replay the text towers from CUDA graphs on CUDA."""
         dev = torch.device(device)
         if spec.is_local_dir:
             pipe = cls._from_dir(Path(spec.size), dev, dtype)
@@ -147,7 +159,13 @@ class AdapterBase:
             pipe = cls.pipeline_cls(**comps, **cls.pipeline_kwargs)
         cls._check_pipeline(pipe)
         return cls(
-            spec, pipe, dev, dtype, vae_dtype=vae_dtype, prompt_cache_bytes=prompt_cache_bytes
+            spec,
+            pipe,
+            dev,
+            dtype,
+            vae_dtype=vae_dtype,
+            prompt_cache_bytes=prompt_cache_bytes,
+            text_encoder_graphs=text_encoder_graphs,
         )
 
     @staticmethod
