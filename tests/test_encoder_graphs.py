@@ -87,6 +87,20 @@ def test_only_cuda_towers_are_wrapped_and_the_switch_reaches_the_adapter() -> No
     off = dataclass_from_args(ModelConfig, parser.parse_args(["--no-text-encoder-graphs"]))
     assert ModelConfig().text_encoder_graphs and not off.text_encoder_graphs
     assert family_options(off)["text_encoder_graphs"] is False
+    assert fam.warm_up_text_graphs() == 0.0 and fam.prompts.misses == 0  # nothing to capture
+
+
+@pytest.mark.parametrize("family", ["sdxl-inpaint", "sd2-inpaint", "flux-fill"])
+def test_encode_texts_is_what_the_prompt_cache_keeps(family: str) -> None:
+    fam = load_family(f"{family}:tiny")
+    do_cfg = fam.uses_cfg(fam.default_guidance)
+    with torch.inference_mode():
+        fam.prepare(_request("a", PROMPTS[1]), *_inputs(), 96, 128)
+        ((entry, _),) = fam.prompts._entries.values()
+        fresh = fam.encode_texts(PROMPTS[1], "blurry", do_cfg)
+    assert len(entry) == len(fresh) and all(
+        torch.equal(a, b) for a, b in zip(entry, fresh, strict=True) if a is not None
+    )
 
 
 # ---- GPU: capture, replay, failures ------------------------------------------------------------
@@ -140,6 +154,10 @@ def test_a_capture_that_fails_leaves_the_tower_eager_and_the_device_usable(caplo
     load_family("sdxl-inpaint:tiny", device="cuda", dtype="fp16")  # seeded random weights
 
 
+def _inputs():
+    return make_image(128, 96, seed=3), make_mask(128, 96)
+
+
 def _request(uid: str, prompt: str) -> EditRequest:
     image, mask = make_image(128, 96, seed=3), make_mask(128, 96)
     return EditRequest(uid=uid, image=png_bytes(image), mask=png_bytes(mask), prompt=prompt,
@@ -175,3 +193,20 @@ def test_images_with_encoder_graphs(family: str) -> None:
     for pipe in pipes.values():
         for wrapped in pipe.family.text_graphs.values():
             assert wrapped.counters["capture"] == 1 and wrapped.counters["replay"] >= 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["sdxl-inpaint", "sd2-inpaint", "flux-fill"])
+def test_warm_up_captures_before_the_first_request(family: str) -> None:
+    """What a worker does before it reports ready: after it, a request's encodes are replays
+    only, and the prompt cache is as it was."""
+    pipe = EditPipeline.load(f"{family}:tiny", device="cuda", dtype="fp16")
+    fam = pipe.family
+    assert fam.warm_up_text_graphs() > 0
+    assert (fam.prompts.misses, len(fam.prompts)) == (0, 0)
+    before = {k: dict(w.counters) for k, w in fam.text_graphs.items()}
+    assert before and all(c["capture"] == 1 and c["warmup"] == 1 for c in before.values())
+    pipe.run([_request("a", PROMPTS[1])])
+    for k, w in fam.text_graphs.items():
+        assert w.counters["capture"] == 1 and w.counters["warmup"] == 1
+        assert w.counters["replay"] > before[k]["replay"]

@@ -12,8 +12,9 @@ its forward is captured once per shape and replayed.
 eligible calls through a `StepGraphs` (engine/graphs.py) with capture "always". The first call of
 a shape runs the forward eagerly (it loads kernels and cuBLAS plans; its result is dropped),
 captures it and returns the replay; later calls copy the new token ids into the static inputs and
-replay. Outputs are cloned out of the graph's pool before they are returned (the prompt cache
-keeps them; the next replay overwrites the pool).
+replay. Workers make that first call before they report ready
+(`AdapterBase.warm_up_text_graphs`). Outputs are cloned out of the graph's pool before they are
+returned (the prompt cache keeps them; the next replay overwrites the pool).
 
 Invariants: every result of an eligible call comes from the tower's graph, so a prompt encodes to
 the same bits on its first and later requests (and after a prompt-cache eviction). A replay runs

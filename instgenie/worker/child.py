@@ -171,6 +171,8 @@ class ChildRuntime:
         m = self.config.model
         family = load_family(m.model, device=device, dtype=m.dtype, parts=parts,
                              **family_options(m))  # fmt: skip
+        if family.text_graphs:  # before ready: the first request must not pay for the capture
+            log.info("text encoder graphs captured in %.0f ms", family.warm_up_text_graphs())
         profile = Profile.load_file(self.wcfg.profile) if self.wcfg.profile else None
         if profile is not None and parts == "stages":
             profile = None  # the planner is the loop's business

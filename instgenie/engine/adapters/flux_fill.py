@@ -132,6 +132,16 @@ class FluxFill(AdapterBase):
     def uses_cfg(self, guidance: float) -> bool:
         return False  # guidance-distilled: the scale is a transformer input, not CFG rows
 
+    def encode_texts(self, prompt: str, negative_prompt: str | None, do_cfg: bool) -> tuple:
+        # Flux-Fill is guidance-distilled: no negative prompt, no unconditional row
+        return self.pipe.encode_prompt(
+            prompt=prompt,
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.text_len,
+        )
+
     def prepare(
         self, request: EditRequest, image: Image.Image, mask: Image.Image, height: int, width: int
     ) -> RequestState:
@@ -143,14 +153,7 @@ class FluxFill(AdapterBase):
         init_image = pipe.image_processor.preprocess(image, height=height, width=width)
         init_image = init_image.to(dtype=torch.float32)
         prompt_embeds, pooled, text_ids = self.prompts.get(
-            request.prompt,
-            lambda: pipe.encode_prompt(
-                prompt=request.prompt,
-                prompt_2=None,
-                device=dev,
-                num_images_per_prompt=1,
-                max_sequence_length=self.text_len,
-            ),
+            request.prompt, lambda: self.encode_texts(request.prompt, None, False)
         )
 
         sched = self.new_scheduler()

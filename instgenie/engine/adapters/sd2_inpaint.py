@@ -89,12 +89,15 @@ class SD2Inpaint(UNetInpaintAdapter):
             scheduler=EulerDiscreteScheduler(**SCHEDULER_CONFIG),
         )
 
+    def encode_texts(self, prompt: str, negative_prompt: str | None, do_cfg: bool) -> tuple:
+        return self.pipe.encode_prompt(
+            prompt, self.device, 1, do_cfg, negative_prompt=negative_prompt
+        )
+
     def encode_prompt(self, request: EditRequest, do_cfg: bool, height: int, width: int) -> dict:
         pos, neg = self.prompts.get(
             (request.prompt, request.negative_prompt, do_cfg),
-            lambda: self.pipe.encode_prompt(
-                request.prompt, self.device, 1, do_cfg, negative_prompt=request.negative_prompt
-            ),
+            lambda: self.encode_texts(request.prompt, request.negative_prompt, do_cfg),
         )
         return {"prompt_embeds": torch.cat([neg, pos]) if do_cfg else pos}
 

@@ -120,17 +120,20 @@ class SDXLInpaint(UNetInpaintAdapter):
             return torch.float32
         return self.dtype
 
+    def encode_texts(self, prompt: str, negative_prompt: str | None, do_cfg: bool) -> tuple:
+        return self.pipe.encode_prompt(
+            prompt=prompt,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=do_cfg,
+            negative_prompt=negative_prompt,
+        )
+
     def encode_prompt(self, request: EditRequest, do_cfg: bool, height: int, width: int) -> dict:
         pipe = self.pipe
         pe, npe, ppe, nppe = self.prompts.get(
             (request.prompt, request.negative_prompt, do_cfg),
-            lambda: pipe.encode_prompt(
-                prompt=request.prompt,
-                device=self.device,
-                num_images_per_prompt=1,
-                do_classifier_free_guidance=do_cfg,
-                negative_prompt=request.negative_prompt,
-            ),
+            lambda: self.encode_texts(request.prompt, request.negative_prompt, do_cfg),
         )
         proj_dim = (
             pipe.text_encoder_2.config.projection_dim
