@@ -78,6 +78,18 @@ class ModelFamily(Protocol):
     #: the denoising backbone (UNet or transformer) and its masked-execution binding
     backbone: torch.nn.Module
     masked: Any
+    #: prompt-encoder outputs by prompt (engine/prompt_cache.py)
+    prompts: Any
+    #: text towers replayed from CUDA graphs, by pipeline attribute (engine/encoder_graphs.py)
+    text_graphs: dict[str, Any]
+
+    def encode_texts(self, prompt: str, negative_prompt: str | None, do_cfg: bool) -> tuple:
+        """The text towers' outputs for one prompt (the prompt cache's entry), not cached."""
+        ...
+
+    def warm_up_text_graphs(self) -> float:
+        """Capture the text towers' graphs before the first request; ms (0.0: none)."""
+        ...
 
     def resolve_steps_guidance(
         self, steps: int | None, guidance: float | None

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 WEIGHTS_SEED = 0
 #: default capacity of each adapter's prompt-encoder cache, bytes
 PROMPT_CACHE_BYTES: int = ModelConfig.prompt_cache_bytes
+#: default: replay the text towers from CUDA graphs on CUDA (engine/encoder_graphs.py)
 TEXT_ENCODER_GRAPHS: bool = ModelConfig.text_encoder_graphs
 
 #: which model parts a process does not need (built on the meta device: configs, no weights)
