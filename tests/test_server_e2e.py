@@ -180,6 +180,7 @@ def test_delete_cancels_a_running_job_and_frees_its_slot(srv: ServerProcess) -> 
         data={"prompt": "x", "num_inference_steps": "200"},
     )
     job = r.json()["id"]
+    cancels = srv.metric("instgenie_edit_failures_total", code="cancelled")
     deadline = time.monotonic() + 60
     while srv.get(f"/v1/jobs/{job}").json()["progress"]["step"] < 1:
         assert time.monotonic() < deadline
@@ -190,6 +191,8 @@ def test_delete_cancels_a_running_job_and_frees_its_slot(srv: ServerProcess) -> 
     assert view["progress"]["step"] < 200
     srv.wait_in_flight(0, timeout=10)  # the worker confirmed: the slot is free
     assert time.monotonic() - t0 < 10
+    # an admitted edit that did not finish: counted as a failure, by why
+    assert srv.metric("instgenie_edit_failures_total", code="cancelled") == cancels + 1
     r = srv.post("/v1/edits", files=edit_files(image_png(seed=42)), data={"prompt": "next"})
     assert r.status_code == 200
 

@@ -118,6 +118,8 @@ def test_full_queue_answers_429_with_retry_after_and_held_requests_succeed(srv) 
 
 def test_a_stuck_loop_flips_health_then_recovers(srv) -> None:
     assert srv.health()[0] == 200
+    restarts = srv.worker()["restarts"]
+    assert srv.metric("instgenie_worker_restarts_total", worker="0") == restarts
     stuck = _in_background(_edit, srv, FAULT_PROMPTS["stall"], 3, 4)
     srv.wait_in_flight(1)
     t0 = time.monotonic()
@@ -130,6 +132,9 @@ def test_a_stuck_loop_flips_health_then_recovers(srv) -> None:
     assert r.headers["Retry-After"] == RETRY_AFTER
     srv.wait_health(200, timeout=120, why="loop restarted")
     assert _edit(srv, "after the stall").status_code == 200
+    # the supervisor restarted the loop (not the server the supervisor): counted all the same
+    assert srv.worker()["restarts"] == restarts + 1
+    assert srv.metric("instgenie_worker_restarts_total", worker="0") == restarts + 1
 
 
 def test_probes_stay_instant_and_flip_when_the_worker_freezes(srv) -> None:

@@ -247,6 +247,7 @@ def test_client_disconnect_cancels_and_frees_the_slot(srv: ServerProcess) -> Non
     before = srv.metric(
         "instgenie_http_requests_total", method="POST", route="/v1/edits", status="499"
     )
+    gone = srv.metric("instgenie_edit_failures_total", code="client_disconnected")
     sock = _held_request(srv, seed=81)
     srv.wait_in_flight(1)
     steps0 = srv.worker()["steps_total"]
@@ -265,6 +266,7 @@ def test_client_disconnect_cancels_and_frees_the_slot(srv: ServerProcess) -> Non
     ):
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    assert srv.metric("instgenie_edit_failures_total", code="client_disconnected") == gone + 1
     # repeated cycles leak neither descriptors nor memory
     fds0, rss0 = _fds_rss(srv.pid)
     for i in range(8):

@@ -147,3 +147,18 @@ def install_handlers(app: FastAPI) -> None:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         err = ApiError(500, "internal_error", f"internal server error ({type(exc).__name__})")
         return error_response(request, err)
+
+
+#: why an admitted edit's task was cancelled: the message passed to `Task.cancel`, which
+#: reaches the CancelledError raised inside it; the code it is counted under in
+#: instgenie_edit_failures_total. A cancel without one of these (server stopping) is "cancelled".
+CANCELLED = "cancelled"  # DELETE /v1/jobs/{id}
+CLIENT_DISCONNECTED = "client_disconnected"  # a sync edit's client closed the connection
+SIBLING_FAILED = "sibling_failed"  # another edit of the same OpenAI request (n > 1) failed
+CANCEL_CODES = (CANCELLED, CLIENT_DISCONNECTED, SIBLING_FAILED)
+
+
+def cancel_code(exc: BaseException) -> str:
+    """The failure code of a cancelled edit (one of CANCEL_CODES)."""
+    why = exc.args[0] if exc.args else None
+    return why if why in CANCEL_CODES else CANCELLED

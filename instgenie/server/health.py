@@ -127,7 +127,7 @@ class HealthMonitor:
                     "pid": s.handle.pid if s.handle is not None else None,
                     "address": s.handle.address if s.handle is not None else None,
                     "in_flight": s.in_flight,
-                    "restarts": max(0, s.starts - 1),
+                    "restarts": s.restarts,
                     "batch_size": int(s.stats.get("batch_size_last", 0)),
                     "steps_total": int(s.stats.get("steps_total", 0)),
                     "last_stats_age_s": round(now - s.stats_at, 3) if s.stats_at else None,

@@ -136,7 +136,10 @@ def live_families(server_queue: int, workers: list[dict], templates: dict[str, i
         ),
     }
     restarts = CounterMetricFamily(
-        "instgenie_worker_restarts", "Worker restarts by the server", labels=["worker"]
+        "instgenie_worker_restarts",
+        "Restarts of the worker's processes: its supervisor by the server, its loop, pre and post "
+        "processes by its supervisor",
+        labels=["worker"],
     )
     mirrored = {
         p: CounterMetricFamily(n, h, labels=["worker", "tier"]) for p, (n, h) in _MIRRORED.items()

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from instgenie.messages import Progress, RegisterTemplate
-from instgenie.server.errors import ApiError
+from instgenie.server.errors import CANCELLED, CLIENT_DISCONNECTED, ApiError
 from instgenie.server.jobs import Job
 from instgenie.server.runtime import EditSpec, Runtime
 from instgenie.server.schemas import (
@@ -221,7 +221,7 @@ async def run_unless_disconnected(request: Request, coro):
         watch.cancel()
     if task in done:
         return task.result()
-    task.cancel()
+    task.cancel(CLIENT_DISCONNECTED)
     await asyncio.wait({task})
     if not task.cancelled():
         task.exception()  # retrieved: it finished (or failed) as the client left
@@ -308,7 +308,7 @@ async def cancel_job(request: Request, job_id: str) -> dict:
         rt.jobs.forget(job_id)
         return job.view()
     if job.task is not None:
-        job.task.cancel()
+        job.task.cancel(CANCELLED)
         await asyncio.wait({job.task}, timeout=10)
     return job.view()
 

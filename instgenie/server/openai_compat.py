@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from PIL import Image, ImageOps
 
 from instgenie.config import LimitsConfig
-from instgenie.server.errors import ApiError
+from instgenie.server.errors import SIBLING_FAILED, ApiError, cancel_code
 from instgenie.server.native import CLIENT_CLOSED, run_unless_disconnected
 from instgenie.server.runtime import Runtime
 from instgenie.server.schemas import OPENAI_ERRORS, ImagesResponse
@@ -189,8 +189,10 @@ async def _all(coros: list) -> list:
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)
-    except BaseException:
+    except BaseException as exc:
+        # a cancel of this request (client gone) keeps its reason; a failure cancels the rest
+        why = cancel_code(exc) if isinstance(exc, asyncio.CancelledError) else SIBLING_FAILED
         for t in tasks:
-            t.cancel()
+            t.cancel(why)
         await asyncio.wait(tasks)
         raise

@@ -39,6 +39,9 @@ class WorkerSlot:
     #: uid -> the dispatcher's future of each request sent and not answered (event loop only)
     pending: dict = field(default_factory=dict)
     starts: int = 0  # successful starts, count (the first one included)
+    #: restarts of the worker's child processes (loop, pre, post) by its earlier supervisors,
+    #: count: a supervisor's own counters die with it, so `restart` folds them in here
+    child_restarts_before: int = 0
     last_error: str = ""  # why the last start failed or the worker died
     templates_ready: set[str] = field(default_factory=set)  # templates.py
     #: template id -> the fastest tier holding its cache there (templates.py)
@@ -71,6 +74,17 @@ class WorkerSlot:
     @property
     def accepting(self) -> bool:
         return self.state == "up" and self.handle is not None and self.handle.proc.poll() is None
+
+    @property
+    def child_restarts(self) -> int:
+        """Restarts of child processes by the current supervisor (its `restarts_<role>_<i>`)."""
+        return int(sum(v for k, v in self.stats.items() if k.startswith("restarts_")))
+
+    @property
+    def restarts(self) -> int:
+        """Every restart of this worker's processes, count: its supervisor by the server, its
+        loop, pre and post processes by its supervisors."""
+        return max(0, self.starts - 1) + self.child_restarts_before + self.child_restarts
 
     def observe(self, stats: dict[str, float], now: float) -> None:
         """Record a Stats answer; the step counter must move while the loop holds requests."""
@@ -192,6 +206,7 @@ class WorkerPool:
     def restart(self, slot: WorkerSlot):
         """Replace a dead worker (a concurrent.futures.Future; the caller awaits it)."""
         old, slot.handle = slot.handle, None
+        slot.child_restarts_before += slot.child_restarts
         slot.state, slot.stats = "restarting", {}
         slot.templates_ready.clear()
         slot.template_tiers.clear()

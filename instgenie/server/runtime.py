@@ -24,7 +24,7 @@ from instgenie.errors import ValidationError
 from instgenie.messages import Progress
 from instgenie.server.config import ServerConfig
 from instgenie.server.dispatcher import Dispatcher, Outcome, Ticket
-from instgenie.server.errors import ApiError
+from instgenie.server.errors import ApiError, cancel_code
 from instgenie.server.estimate import token_ratios
 from instgenie.server.health import HealthMonitor
 from instgenie.server.jobs import JobTable
@@ -256,6 +256,9 @@ class Runtime:
         except ApiError as exc:
             self.metrics.failures.labels(exc.code).inc()
             raise
+        except asyncio.CancelledError as exc:  # DELETE of its job, client gone, server stopping
+            self.metrics.failures.labels(cancel_code(exc)).inc()
+            raise
         return self._response(ticket, spec, outcome)
 
     def _response(self, ticket: Ticket, spec: EditSpec, outcome: Outcome) -> dict:
@@ -306,7 +309,7 @@ class Runtime:
                 "index": s.index,
                 "in_flight": s.in_flight,
                 "up": row["healthy"],
-                "restarts": max(0, s.starts - 1),
+                "restarts": s.restarts,
                 "stats": s.stats,
             }
             for s, row in zip(self.pool.slots, ok_rows, strict=True)

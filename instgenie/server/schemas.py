@@ -240,7 +240,10 @@ class WorkerHealth(BaseModel):
     pid: int | None
     address: str | None
     in_flight: int
-    restarts: int
+    restarts: int = Field(
+        description="restarts of this worker's processes since the server started: its "
+        "supervisor (by the server) and its loop, pre and post processes (by the supervisor)"
+    )
     batch_size: int
     steps_total: int
     last_stats_age_s: float | None
