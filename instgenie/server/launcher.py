@@ -1,10 +1,12 @@
 """`instgenie serve`: one worker per device, the API + scheduler process, clean shutdown.
 
-Start-up: bind the HTTP socket (a busy port fails before any worker starts), start every worker
-in parallel and wait for all ready handshakes, then serve. SIGTERM/SIGINT: drain - new requests
-get 503 while in-flight ones finish (up to drain_timeout_s) - then stop HTTP, shut the workers
-down (drain) and exit 0. A second SIGINT/SIGTERM stops at once (exit 1). Workers die with this
-process in any case (PR_SET_PDEATHSIG in the worker supervisor).
+Start-up: bind the HTTP socket (a busy port fails before any worker starts), open the state
+database (an unusable one fails before any worker starts too), start every worker in parallel
+and wait for all ready handshakes, then serve (the stored templates are built on the workers).
+SIGTERM/SIGINT: drain - new requests get 503 while in-flight ones finish (up to
+drain_timeout_s) - then stop HTTP, shut the workers down (drain) and exit 0. A second
+SIGINT/SIGTERM stops at once (exit 1). Workers die with this process in any case
+(PR_SET_PDEATHSIG in the worker supervisor).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -22,6 +25,7 @@ import uvicorn
 from instgenie.config import Config, LimitsConfig, ModelConfig, WorkerConfig
 from instgenie.logs import setup_process
 from instgenie.server.config import ServerConfig, check_server_config
+from instgenie.server.state_db import DEFAULT_NAME, StateDB, StateDBError
 
 if TYPE_CHECKING:
     from instgenie.server.runtime import Runtime
@@ -84,6 +88,15 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def state_path(server: ServerConfig, worker: WorkerConfig) -> Path | None:
+    """Where the server keeps its state (ServerConfig.state_db); None: in memory only."""
+    if server.state_db.lower() == "none":
+        return None
+    if server.state_db:
+        return Path(server.state_db)
+    return Path(worker.cache_root) / DEFAULT_NAME if worker.cache_root else None
+
+
 def serve(
     model: ModelConfig,
     devices: list[str],
@@ -113,6 +126,34 @@ def serve(
             flush=True,
         )
         return 1
+    path = state_path(server, worker)
+    try:
+        state = StateDB(path) if path is not None else None
+    except StateDBError as exc:
+        print(f"instgenie serve: {exc}", file=sys.stderr, flush=True)
+        sock.close()
+        return 1
+    if state is None:
+        print("instgenie: no --cache-root or --state-db: templates and async jobs are kept in "
+              "memory only (lost on restart)", file=sys.stderr, flush=True)  # fmt: skip
+    else:
+        print(f"instgenie: state in {path} (templates and finished async jobs survive a "
+              "restart)", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        return _serve(model, devices, server, configs, sock, state)
+    finally:
+        if state is not None:
+            state.close()
+
+
+def _serve(
+    model: ModelConfig,
+    devices: list[str],
+    server: ServerConfig,
+    configs: list[Config],
+    sock: socket.socket,
+    state: StateDB | None,
+) -> int:
     # imported after the bind: the worker client pulls in torch, seconds of start-up
     from instgenie.server.app import create_app
     from instgenie.server.pool import WorkerPool
@@ -137,7 +178,7 @@ def serve(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    runtime = Runtime(pool, server, limits)
+    runtime = Runtime(pool, server, configs[0].limits, state)
     app = create_app(runtime)
     uv_config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5

@@ -139,7 +139,7 @@ async def create_template(request: Request) -> JSONResponse:
         strength=params.strength,
         mask=mask,
     )
-    rec, created = rt.templates.register(TemplateRecord(msg, info.width, info.height))
+    rec, created = await rt.templates.register(TemplateRecord(msg, info.width, info.height))
     return JSONResponse(_template_view(rt, rec), status_code=202 if created else 200)
 
 
@@ -170,7 +170,7 @@ async def get_template(request: Request, template_id: str) -> dict:
     summary="Remove a template and its cache from every worker",
 )
 async def delete_template(request: Request, template_id: str) -> dict:
-    rec = _rt(request).templates.drop(template_id)
+    rec = await _rt(request).templates.drop(template_id)
     return {"id": rec.template_id, "object": "template", "deleted": True}
 
 
@@ -251,6 +251,7 @@ async def create_edit(
         ahead = rt.dispatcher.waiting.index(ticket) if ticket.waiter is not None else 0
         job.push("queued", {"position": ahead})
         job.task = asyncio.create_task(_run_job(rt, job, ticket, spec))
+        await rt.jobs.save(job)  # stored (queued) before the answer
         return JSONResponse(job.view(), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
     ticket = rt.admit(spec)
     result = await run_unless_disconnected(request, rt.execute(ticket, spec))
@@ -266,23 +267,24 @@ async def _run_job(rt: Runtime, job: Job, ticket, spec: EditSpec) -> None:
             job.push("running", {})
         job.progress(p.step, p.num_steps)
 
+    # the end is committed to the state database before it is visible (JobTable.finish)
     try:
-        job.result = await rt.execute(ticket, spec, on_progress)
-    except asyncio.CancelledError:
-        job.error = {"code": "cancelled", "message": "cancelled by DELETE /v1/jobs/{id}"}
-        job.push("cancelled", {"error": job.error})
+        result = await rt.execute(ticket, spec, on_progress)
+    except asyncio.CancelledError:  # DELETE /v1/jobs/{id}, or the server stopping (then the
+        # job is already failed "interrupted" and this finish is a no-op)
+        error = {"code": "cancelled", "message": "cancelled by DELETE /v1/jobs/{id}"}
+        await rt.jobs.finish(job, "cancelled", error=error)
         return
     except ApiError as exc:
-        job.error = {"code": exc.code, "message": exc.message, "field": exc.field}
-        job.push("failed", {"error": job.error})
+        error = {"code": exc.code, "message": exc.message, "field": exc.field}
+        await rt.jobs.finish(job, "failed", error=error)
         return
     except Exception as exc:  # a bug: the job fails, the server goes on
         log.exception("job %s failed", job.id)
-        job.error = {"code": "internal_error", "message": f"internal error ({type(exc).__name__})"}
-        job.push("failed", {"error": job.error})
+        error = {"code": "internal_error", "message": f"internal error ({type(exc).__name__})"}
+        await rt.jobs.finish(job, "failed", error=error)
         return
-    summary = {k: v for k, v in job.result.items() if k != "image"}
-    job.push("done", {"result": summary, "href": f"/v1/jobs/{job.id}"})
+    await rt.jobs.finish(job, "done", result=result)
 
 
 @router.get(

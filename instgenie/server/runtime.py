@@ -1,8 +1,8 @@
 """The server's state and the edit path shared by the native and OpenAI routes.
 
 `Runtime` owns the dispatcher, templates, jobs, health monitor and metrics of one app; the worker
-pool is owned by the launcher (started before the app, closed after it). Everything here runs on
-the event loop thread.
+pool and the state database are owned by the launcher (started/opened before the app, closed
+after it). Everything here runs on the event loop thread.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from instgenie.server.dispatcher import Dispatcher, Outcome, Ticket
 from instgenie.server.errors import ApiError, cancel_code
 from instgenie.server.estimate import token_ratios
 from instgenie.server.health import HealthMonitor
-from instgenie.server.jobs import JobTable
+from instgenie.server.jobs import INTERRUPTED, JobTable
 from instgenie.server.metrics import Metrics, fastest_tier, live_families
 from instgenie.server.pool import WorkerPool, WorkerSlot
 from instgenie.server.routing import RouteRequest, make_policy
+from instgenie.server.state_db import StateDB
 from instgenie.server.templates import TemplateRegistry, template_id_of
 from instgenie.server.uploads import ImageInfo, probe_image
 
@@ -49,7 +50,13 @@ class EditSpec:
 
 
 class Runtime:
-    def __init__(self, pool: WorkerPool, cfg: ServerConfig, limits: LimitsConfig) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        cfg: ServerConfig,
+        limits: LimitsConfig,
+        state: StateDB | None = None,
+    ) -> None:
         self.pool = pool
         self.cfg = cfg
         self.limits = limits
@@ -57,8 +64,9 @@ class Runtime:
         self.started = time.time()
         self.metrics = Metrics()
         self.dispatcher = Dispatcher(pool, make_policy(cfg.routing), cfg)
-        self.templates = TemplateRegistry(pool, cfg)
-        self.jobs = JobTable(cfg.max_jobs, cfg.job_ttl_s, cfg.retry_after_s)
+        self.state = state  # templates and jobs survive a restart in it; None: in memory only
+        self.templates = TemplateRegistry(pool, cfg, state)
+        self.jobs = JobTable(cfg.max_jobs, cfg.job_ttl_s, cfg.retry_after_s, state)
         self.health = HealthMonitor(
             pool, cfg, self.metrics, self.on_worker_death, lambda _slot: self.dispatcher.pump()
         )
@@ -70,13 +78,21 @@ class Runtime:
         return self.dispatcher.draining
 
     async def start(self) -> None:
+        if self.state is not None:
+            templates, jobs = self.templates.load(), self.jobs.load()
+            log.info("state %s: %d template(s) and %d async job(s) reloaded",
+                        self.state.path, templates, jobs)  # fmt: skip
         self.health.start()
 
     async def stop(self) -> None:
         await self.health.stop()
+        # jobs still unfinished (the drain timed out) end "interrupted", stored as such
         for job in list(self.jobs.jobs.values()):
-            if job.task is not None and not job.task.done():
-                job.task.cancel()
+            if not job.is_finished:
+                self.jobs.finish(job, "failed", error=dict(INTERRUPTED))
+                if job.task is not None:
+                    job.task.cancel()
+        await self.jobs.settle()
 
     # ---- worker lifecycle -----------------------------------------------------------------------
     def on_worker_death(self, slot: WorkerSlot, reason: str) -> None:

@@ -10,6 +10,10 @@ Invariants (event loop thread only):
   rebuilds every record on a restarted worker).
 - Overall state: "failed" if any worker refused the template (bad content fails everywhere),
   else "ready" once every accepting worker has it, else "building".
+- With a state database (state_db.py), `records` is what the database holds: a registration or
+  deletion is committed there first, then applied here (one at a time, under `_lock`; the
+  commit runs on the database's writer thread), so the API answers only durable changes and a
+  restarted server reloads the same templates (`load`) and builds them on every worker again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from instgenie.server.config import ServerConfig
 from instgenie.server.errors import ApiError
 from instgenie.server.metrics import fastest_tier
 from instgenie.server.pool import WorkerPool, WorkerSlot
+from instgenie.server.state_db import StateDB, StateDBError, StoredTemplate
 from instgenie.worker.client import WorkerError
 
 log = logging.getLogger("instgenie.server")
@@ -64,10 +69,39 @@ class TemplateRecord:
 
 
 class TemplateRegistry:
-    def __init__(self, pool: WorkerPool, cfg: ServerConfig) -> None:
+    def __init__(self, pool: WorkerPool, cfg: ServerConfig, db: StateDB | None = None) -> None:
         self.pool = pool
         self.cfg = cfg
+        self.db = db  # None: nothing survives a restart
         self.records: dict[str, TemplateRecord] = {}
+        self._lock = asyncio.Lock()  # one registration/deletion at a time (check, commit, apply)
+
+    def load(self) -> int:
+        """Reload the stored templates and build them on every worker (at start, on the event
+        loop); the workers find caches that survived in the host's DRAM/disk tiers."""
+        if self.db is None:
+            return 0
+        for st in self.db.load_templates():
+            rec = TemplateRecord(st.msg, st.width, st.height, created=st.created)
+            self.records[rec.template_id] = rec
+            for slot in self.pool.slots:
+                if slot.accepting:
+                    self._build(rec, slot)
+        return len(self.records)
+
+    async def _commit(self, fn, *args) -> None:
+        if self.db is None:
+            return
+        try:
+            await self.db.run(fn, *args)
+        except StateDBError as exc:
+            log.error("%s", exc)
+            raise ApiError(
+                503,
+                "state_unavailable",
+                "the server's state database cannot be written; nothing was changed",
+                retry_after_s=self.cfg.retry_after_s,
+            ) from None
 
     def get(self, template_id: str) -> TemplateRecord:
         rec = self.records.get(template_id)
@@ -80,13 +114,19 @@ class TemplateRegistry:
             )
         return rec
 
-    def register(self, rec: TemplateRecord) -> tuple[TemplateRecord, bool]:
-        """(the record, created now); registering the same content again is a no-op."""
+    async def register(self, rec: TemplateRecord) -> tuple[TemplateRecord, bool]:
+        """(the record, created now); registering the same content again is a no-op. Applied
+        even if the caller is cancelled once its commit is under way."""
+        return await asyncio.shield(self._register(rec))
+
+    async def _register(self, rec: TemplateRecord) -> tuple[TemplateRecord, bool]:
+        async with self._lock:
+            return await self._register_locked(rec)
+
+    async def _register_locked(self, rec: TemplateRecord) -> tuple[TemplateRecord, bool]:
         old = self.records.get(rec.template_id)
-        if old is not None and old.state(self.pool) == "failed" and old.msg == rec.msg:
-            del self.records[rec.template_id]  # registering it again retries the build
-            old = None
-        if old is not None:
+        retry = old is not None and old.state(self.pool) == "failed" and old.msg == rec.msg
+        if old is not None and not retry:  # (registering a failed one again retries its build)
             if old.msg == rec.msg:
                 return old, False
             raise ApiError(
@@ -95,12 +135,15 @@ class TemplateRegistry:
                 f"template {rec.template_id} is registered with other parameters; DELETE it first",
                 "template_id",
             )
-        if len(self.records) >= self.cfg.max_templates:
+        if len(self.records) - retry >= self.cfg.max_templates:
             raise ApiError(
                 409,
                 "too_many_templates",
                 f"{len(self.records)} templates are registered (the limit); DELETE one first",
             )
+        if self.db is not None:
+            st = StoredTemplate(rec.msg, rec.width, rec.height, rec.created)
+            await self._commit(self.db.put_template, st)
         self.records[rec.template_id] = rec
         for slot in self.pool.slots:
             if slot.accepting:
@@ -140,9 +183,19 @@ class TemplateRegistry:
             build.message = f"{type(exc).__name__}: {exc}"
             log.warning("template %s on worker %d: %s", tid[:12], slot.index, build.message)
 
-    def drop(self, template_id: str) -> TemplateRecord:
-        rec = self.get(template_id)
-        del self.records[template_id]
+    async def drop(self, template_id: str) -> TemplateRecord:
+        """Forget a template and remove its cache on every worker (404 if unknown)."""
+        return await asyncio.shield(self._drop(template_id))
+
+    async def _drop(self, template_id: str) -> TemplateRecord:
+        async with self._lock:
+            self.get(template_id)
+            if self.db is not None:
+                await self._commit(self.db.delete_template, template_id)
+            return self._forget(template_id)
+
+    def _forget(self, template_id: str) -> TemplateRecord:
+        rec = self.records.pop(template_id)
         for slot in self.pool.slots:
             slot.templates_ready.discard(template_id)
             slot.template_tiers.pop(template_id, None)

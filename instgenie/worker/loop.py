@@ -180,14 +180,16 @@ class Loop:
         if key is not None:
             template = state.extras["template_id"]
             status = self.pipe.store.status(key)
+            # every template this loop answers for is recorded, also one whose cache it finds
+            # ready (built by another worker of the host, or by a previous run on the same cache
+            # root): DropTemplate deletes the cache whoever built it
+            self.template_keys[template] = key
             if status == "building":  # another process of the host captures it: wait for it
-                self.template_keys[template] = key
                 self.awaiting[key] = (template, state)
                 return
             if status != "absent":
                 self.template_ready(template, key, "" if status == "ready" else status)
                 return
-            self.template_keys[template] = key
             self.pipe.attach_writer(state, key)
         elif state.request.template_id is not None:
             self.pipe.select_path(state, state.request.template_id)
