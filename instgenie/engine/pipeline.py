@@ -34,8 +34,8 @@ from instgenie.engine.imageio import (
 )
 from instgenie.engine.masked.tokens import pixel_mask_tensor
 from instgenie.engine.request import EditRequest, RequestState
-from instgenie.engine.templates import TemplateRecord, TemplateSpec, template_key
 from instgenie.engine.sizing import pixel_hint, resolve_limits, working_size
+from instgenie.engine.templates import TemplateRecord, TemplateSpec, template_key
 from instgenie.errors import TooManyPixelsError, ValidationError
 
 MAX_SEED = 2**63 - 1

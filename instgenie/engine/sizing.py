@@ -49,7 +49,9 @@ def pixel_hint(limits: LimitsConfig) -> str:
     )
 
 
-def too_many_pixels(field: str, width: int, height: int, limits: LimitsConfig) -> TooManyPixelsError:
+def too_many_pixels(
+    field: str, width: int, height: int, limits: LimitsConfig
+) -> TooManyPixelsError:
     """The typed refusal of a `width` x `height` image over the cap (413 image_too_large)."""
     return TooManyPixelsError(
         field,

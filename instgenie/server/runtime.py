@@ -20,9 +20,9 @@ from PIL import Image
 
 from instgenie.config import LimitsConfig
 from instgenie.engine.imageio import decode_mask, mask_ratio
+from instgenie.engine.sizing import native_side, resolve_limits, working_size
 from instgenie.errors import ValidationError
 from instgenie.messages import Progress
-from instgenie.engine.sizing import native_side, resolve_limits, working_size
 from instgenie.server.admission import CostAdmission
 from instgenie.server.config import ServerConfig
 from instgenie.server.dispatcher import Dispatcher, Outcome, Ticket
