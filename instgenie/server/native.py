@@ -264,9 +264,10 @@ async def create_edit(
 
 async def _run_job(rt: Runtime, job: Job, ticket, spec: EditSpec) -> None:
     def on_progress(p: Progress) -> None:
-        if job.status == "queued":
-            job.push("running", {})
-        job.progress(p.step, p.num_steps)
+        if p.stage:
+            job.enter(p.stage)
+        else:
+            job.progress(p.step, p.num_steps)
 
     try:
         job.result = await rt.execute(ticket, spec, on_progress)
