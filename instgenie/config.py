@@ -34,8 +34,18 @@ class ModelConfig:
 class LimitsConfig:
     """Input limits checked before any decoding or model work (RELIABILITY.md items 1-3)."""
 
-    #: largest accepted image/mask, in pixels (width * height), checked from the header
-    max_image_pixels: int = 4096 * 4096
+    #: largest image/mask a model works on, in pixels (width * height), checked from the header;
+    #: 0 = the model family's native area x 4 (engine/sizing.py: SDXL and Flux 1024^2 -> 4194304,
+    #: SD2 512^2 -> 1048576, every `tiny` model 128^2 -> 65536). Larger images are refused (413)
+    #: or, with oversize="resize", worked on at the native area
+    max_image_pixels: int = 0
+    #: images over max_image_pixels: "refuse" (413 image_too_large) or "resize" (diffusion at
+    #: the family's native area, keeping the aspect ratio; the result is resized back to the
+    #: input's size and the unmasked input pixels pasted back at full resolution)
+    oversize: str = "refuse"
+    #: with oversize="resize": largest accepted image/mask, pixels, checked from the header
+    #: (decoding, resizing and paste-back still run at this size)
+    max_input_pixels: int = 8192 * 8192
     #: image container formats accepted, as Pillow format names
     allowed_formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP")
     #: largest accepted num_inference_steps
@@ -44,6 +54,30 @@ class LimitsConfig:
     max_prompt_chars: int = 4000
     #: largest accepted guidance scale
     max_guidance_scale: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.oversize not in OVERSIZE_POLICIES:
+            raise ValueError(f"oversize: {self.oversize!r} is not one of {OVERSIZE_POLICIES}")
+        for name in ("max_image_pixels", "max_input_pixels"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def decode_pixels(self) -> int:
+        """The most pixels an image may have to be decoded at all (its header is checked
+        against this): max_image_pixels, or under oversize="resize" max_input_pixels. An
+        unresolved max_image_pixels (0: no model named yet; engine/sizing.resolve_limits) is
+        UNRESOLVED_PIXELS here."""
+        cap = self.max_image_pixels or UNRESOLVED_PIXELS
+        if self.oversize == "resize":
+            return max(cap, self.max_input_pixels)
+        return cap
+
+
+#: the decoding cap of limits not yet resolved against a model (LimitsConfig.decode_pixels), pixels
+UNRESOLVED_PIXELS = 4096 * 4096
+#: LimitsConfig.oversize values
+OVERSIZE_POLICIES = ("refuse", "resize")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,13 @@ class ValidationError(InstGenIEError):
         self.reason = message
 
 
+class TooManyPixelsError(ValidationError):
+    """An image (or a requested output size) has more pixels than the deployment accepts
+    (LimitsConfig.max_image_pixels, or max_input_pixels under oversize="resize"). Maps to 413."""
+
+    code = "image_too_large"
+
+
 class ModelLoadError(InstGenIEError):
     """A model could not be built or loaded (unknown family, bad directory, missing files)."""
 

@@ -340,10 +340,13 @@ class Accepted(WorkerToClient):  # queued (sup)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
-class Progress(WorkerToClient):  # a denoise step of the request finished (loop)
+class Progress(WorkerToClient):  # a denoise step finished (loop), or the request changed stage
     uid: str  # SubmitEdit.uid
-    step: int  # steps done, 1..num_steps
-    num_steps: int  # denoise steps the request will run
+    step: int  # steps done, 1..num_steps; 0 in a stage report
+    num_steps: int  # denoise steps the request will run; 0 in a stage report before it is known
+    #: the stage it entered: "preprocess" (sup), "encode", "decode" (loop), "postprocess" (sup);
+    #: "" = a denoise step report
+    stage: str = ""
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

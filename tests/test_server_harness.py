@@ -44,6 +44,7 @@ FAULT_PROMPTS = {
     "nan": "FAULT-NAN",
     "stall": "FAULT-STALL",
     "hold": "HOLD",
+    "slowenc": "SLOW-ENCODE",
 }
 _SERVING = re.compile(r"serving \S+ on (http://\S+) with")
 

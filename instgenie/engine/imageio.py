@@ -18,7 +18,8 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from instgenie.config import LimitsConfig
-from instgenie.errors import ValidationError
+from instgenie.engine.sizing import pixel_hint, too_many_pixels
+from instgenie.errors import TooManyPixelsError, ValidationError
 
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
 
@@ -97,8 +98,10 @@ def _bomb(field: str, exc: Exception, limits: LimitsConfig) -> ValidationError:
     MAX_IMAGE_PIXELS: answer with the configured limit (the one the client can act on)."""
     found = re.search(r"\((\d+) pixels\)", str(exc))
     size = f"{found.group(1)} pixels" if found else "too many pixels"
-    return ValidationError(
-        field, f"is {size} (from its header); the limit is {limits.max_image_pixels} pixels"
+    return TooManyPixelsError(
+        field,
+        f"is {size} (from its header); the limit is {limits.decode_pixels} pixels "
+        f"({pixel_hint(limits)})",
     )
 
 
@@ -106,10 +109,8 @@ def _check_pixels(img: Image.Image, field: str, limits: LimitsConfig) -> None:
     w, h = img.size
     if w < 1 or h < 1:
         raise ValidationError(field, f"has an empty size {w}x{h}")
-    if w * h > limits.max_image_pixels:
-        raise ValidationError(
-            field, f"is {w}x{h} = {w * h} pixels; the limit is {limits.max_image_pixels} pixels"
-        )
+    if w * h > limits.decode_pixels:
+        raise too_many_pixels(field, w, h, limits)
 
 
 def decode_image(data: ImageInput, limits: LimitsConfig, field: str = "image") -> Image.Image:

@@ -34,8 +34,9 @@ from instgenie.engine.imageio import (
 )
 from instgenie.engine.masked.tokens import pixel_mask_tensor
 from instgenie.engine.request import EditRequest, RequestState
+from instgenie.engine.sizing import pixel_hint, resolve_limits, working_size
 from instgenie.engine.templates import TemplateRecord, TemplateSpec, template_key
-from instgenie.errors import ValidationError
+from instgenie.errors import TooManyPixelsError, ValidationError
 
 MAX_SEED = 2**63 - 1
 
@@ -80,7 +81,8 @@ class EditPipeline:
         profile: Profile | None = None,
     ) -> None:
         self.family = family
-        self.limits = limits or LimitsConfig()
+        #: max_image_pixels = 0 (the default) resolves to the family's native area x 4
+        self.limits = resolve_limits(limits or LimitsConfig(), family.default_size)
         self.store = store if store is not None else InMemoryStore(family.device)
         family.masked.store = self.store
         self.templates: dict[str, TemplateRecord] = {}
@@ -148,10 +150,14 @@ class EditPipeline:
         return image, mask, height, width
 
     def _working_size(self, req: EditRequest | TemplateSpec, image: Image.Image) -> tuple[int, int]:
+        """(height, width) the model works at: the request's, or the image's rounded down to
+        the granule (scaled to the native area when over max_image_pixels under
+        oversize="resize"; engine/sizing.py)."""
         g = self.family.granule
         w, h = image.size
-        height = req.height if req.height is not None else h - h % g
-        width = req.width if req.width is not None else w - w % g
+        auto_w, auto_h = working_size(w, h, g, self.family.default_size, self.limits)
+        height = req.height if req.height is not None else auto_h
+        width = req.width if req.width is not None else auto_w
         for name, value in (("height", height), ("width", width)):
             if getattr(req, name) is None and value < g:  # derived from a too-small image
                 raise ValidationError(
@@ -161,8 +167,12 @@ class EditPipeline:
                 raise ValidationError(
                     name, f"{value} must be a positive multiple of {g} pixels for this model"
                 )
-            if height * width > self.limits.max_image_pixels:
-                raise ValidationError(name, f"{width}x{height} exceeds the pixel limit")
+        if height * width > self.limits.max_image_pixels:
+            raise TooManyPixelsError(
+                "width" if req.width is not None else "image",
+                f"works at {width}x{height} = {width * height} pixels; the limit is "
+                f"{self.limits.max_image_pixels} pixels ({pixel_hint(self.limits)})",
+            )
         return height, width
 
     # ---- templates -----------------------------------------------------------------------------

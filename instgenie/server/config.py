@@ -31,6 +31,17 @@ class ServerConfig:
     #: (predicted latency from each worker's latency models and the request's mask; measured no
     #: better on an H200 pair, docs/benchmarks/routing-h200.md) | "round-robin"
     routing: str = "least-loaded"
+    #: most an edit or template capture may cost, in native edits (one edit at the model's
+    #: native area with its default steps = 1; priced from the worker's profile, else FLOPs;
+    #: server/admission.py); beyond it: 422 too_costly. 0 = 32
+    max_request_cost: float = 0.0
+    #: most seconds of a worker's loop an edit or capture may take as its profile predicts
+    #: (workers without --profile are not limited by it); beyond it: 422 too_costly. 0 = off
+    max_request_seconds: float = 0.0
+    #: a worker whose loop has been in one model stage call (VAE/prompt encode, VAE decode) this
+    #: long, seconds, is degraded: /health says so and routing sends it nothing new while
+    #: another worker is not (well below WorkerConfig.stage_timeout_s, which kills it)
+    stage_overrun_s: float = 30.0
     #: Retry-After of 429 and retryable 503 answers, seconds
     retry_after_s: int = 2
     #: an edit not finished after this long, seconds, is cancelled and answered 504
@@ -78,10 +89,10 @@ def check_server_config(cfg: ServerConfig) -> None:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(cfg, name)}")
     for name in ("max_queue", "worker_slots", "retry_after_s", "default_steps", "worker_hang_s",
-                 "drain_timeout_s"):  # fmt: skip
+                 "drain_timeout_s", "max_request_cost", "max_request_seconds"):  # fmt: skip
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
     for name in ("request_timeout_s", "health_poll_s", "health_timeout_s", "stall_s",
-                 "worker_start_timeout_s", "job_ttl_s"):  # fmt: skip
+                 "worker_start_timeout_s", "job_ttl_s", "stage_overrun_s"):  # fmt: skip
         if not getattr(cfg, name) > 0:  # nan too
             raise ValueError(f"{name}: must be > 0, got {getattr(cfg, name)}")

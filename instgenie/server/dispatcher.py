@@ -114,7 +114,10 @@ class Dispatcher:
         now = time.monotonic()
         cfg = self.cfg
         healthy = [s for s in live if s.health(now, cfg.health_timeout_s, cfg.stall_s)[0]]
-        index = self.policy.choose(route, [s.view() for s in healthy or live])
+        # a degraded worker (its loop overruns one stage call) gets nothing new while another
+        # can take it: the request waits here for that one rather than behind the overrun
+        ok = [s for s in healthy if not s.overrun(cfg.stage_overrun_s)]
+        index = self.policy.choose(route, [s.view() for s in ok or healthy or live])
         return self.pool.slots[index] if index is not None else None
 
     def _reserve(self, ticket: Ticket, slot: WorkerSlot) -> None:

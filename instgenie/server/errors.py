@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from instgenie.errors import ValidationError
+from instgenie.errors import TooManyPixelsError, ValidationError
 
 if TYPE_CHECKING:  # the worker client imports torch; this module is also used without it
     from instgenie.worker.client import WorkerError
@@ -50,12 +50,15 @@ class ApiError(StarletteHTTPException):
 
     @classmethod
     def from_validation(cls, exc: ValidationError) -> ApiError:
+        if isinstance(exc, TooManyPixelsError):  # more pixels than the deployment accepts
+            return cls(413, exc.code, exc.message, exc.field)
         return cls(422, "invalid_request", exc.message, exc.field)
 
 
 #: worker error code -> (HTTP status, retryable answer with Retry-After)
 _WORKER_STATUS = {
     "invalid_request": (422, False),
+    "image_too_large": (413, False),
     "overloaded": (429, True),
     "worker_died": (503, True),
     "shutting_down": (503, True),

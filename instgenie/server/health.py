@@ -112,18 +112,24 @@ class HealthMonitor:
             handle.proc.kill()
 
     def report(self) -> tuple[bool, list[dict]]:
-        """(any worker can make progress, per worker details)."""
+        """(any worker can make progress, per worker details: "status" ok | degraded (healthy,
+        but its loop overruns one stage call: routing avoids it) | unhealthy)."""
         now = time.monotonic()
         rows = []
         for s in self.pool.slots:
             ok, why = s.health(now, self.cfg.health_timeout_s, self.cfg.stall_s)
+            stage, busy_s = s.busy() if ok else ("", 0.0)
+            overrun = s.overrun(self.cfg.stage_overrun_s) if ok else ""
             rows.append(
                 {
                     "index": s.index,
                     "device": s.device,
                     "state": s.state,
                     "healthy": ok,
-                    "reason": why or None,
+                    "status": "degraded" if overrun else "ok" if ok else "unhealthy",
+                    "busy_stage": stage or None,
+                    "busy_s": round(busy_s, 3),
+                    "reason": overrun or why or None,
                     "pid": s.handle.pid if s.handle is not None else None,
                     "address": s.handle.address if s.handle is not None else None,
                     "in_flight": s.in_flight,

@@ -50,6 +50,9 @@ class Job:
     status: str = "queued"  # "queued" | "running" | "done" | "failed" | "cancelled"
     step: int = 0  # denoise steps done
     num_steps: int | None = None  # steps it will run, once known
+    #: the stage it is in on its worker: "preprocess" | "encode" | "denoise" | "decode" |
+    #: "postprocess"; None while queued
+    stage: str | None = None
     result: dict | None = None  # the edit response (status done)
     error: dict | None = None  # {"code", "message", "field"?} (status failed/cancelled)
     finished: float | None = None  # unix s
@@ -74,7 +77,18 @@ class Job:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
+    def enter(self, stage: str) -> None:
+        """Its worker reports it entered `stage` (the first report makes it running)."""
+        if self.is_finished or stage == self.stage:
+            return
+        self.stage = stage
+        if self.status == "queued":
+            self.push("running", {"stage": stage})
+        else:
+            self.push("stage", {"stage": stage})
+
     def progress(self, step: int, num_steps: int) -> None:
+        self.enter("denoise")
         if step > self.step:
             self.step, self.num_steps = step, num_steps
             self.push("step", {"step": step, "num_steps": num_steps})
@@ -96,6 +110,7 @@ class Job:
             "status": self.status,
             "created": self.created,
             "finished": self.finished,
+            "stage": None if self.is_finished else self.stage,
             "progress": {"step": self.step, "num_steps": self.num_steps},
             "result": self.result,
             "error": self.error,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from instgenie.config import Config, LimitsConfig, ModelConfig, WorkerConfig
+from instgenie.engine.sizing import native_side, resolve_limits
 from instgenie.logs import setup_process
 from instgenie.server.config import ServerConfig, check_server_config
 from instgenie.server.state_db import DEFAULT_NAME, StateDB, StateDBError
@@ -113,6 +114,8 @@ def serve(
     except ValueError as exc:
         print(f"instgenie serve: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_CONFIG
+    # max_image_pixels = 0: the family's default, resolved once for the server and its workers
+    limits = resolve_limits(limits, native_side(model.model))
     configs = [
         Config(model=dataclasses.replace(model, device=d), limits=limits, worker=worker)
         for d in devices

@@ -124,17 +124,19 @@ async def create_template(request: Request) -> JSONResponse:
                 f"{info.width}x{info.height}; the mask must have the image's "
                 "size",
             )
+    steps = (
+        params.num_inference_steps if params.num_inference_steps is not None else rt.default_steps()
+    )
+    work = rt.work_size(info.width, info.height)
+    rt.check_cost(work[0] * work[1], steps, params.guidance_scale, params.strength,
+                  what="this template's capture run")  # fmt: skip
     msg = RegisterTemplate(
         template_id=template_id_of(image),
         image=image,
         prompt=params.prompt,
         negative_prompt=params.negative_prompt,
         seed=params.seed,
-        num_inference_steps=(
-            params.num_inference_steps
-            if params.num_inference_steps is not None
-            else rt.default_steps()
-        ),
+        num_inference_steps=steps,
         guidance_scale=params.guidance_scale,
         strength=params.strength,
         mask=mask,
@@ -263,9 +265,10 @@ async def create_edit(
 
 async def _run_job(rt: Runtime, job: Job, ticket, spec: EditSpec) -> None:
     def on_progress(p: Progress) -> None:
-        if job.status == "queued":
-            job.push("running", {})
-        job.progress(p.step, p.num_steps)
+        if p.stage:
+            job.enter(p.stage)
+        else:
+            job.progress(p.step, p.num_steps)
 
     # the end is committed to the state database before it is visible (JobTable.finish)
     try:

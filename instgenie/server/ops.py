@@ -20,12 +20,16 @@ def _rt(request: Request) -> Runtime:
     "/health",
     response_model=HealthResponse,
     responses={503: {"model": HealthResponse}},
-    summary="200 while some worker can make progress; 503 otherwise",
+    summary="200 while some worker can make progress (status ok, or degraded when a worker "
+    "overruns a stage); 503 otherwise",
 )
 async def health(request: Request) -> JSONResponse:
     rt = _rt(request)
     ok, workers = rt.health.report()
-    body = {"status": "ok" if ok else "unhealthy", "draining": rt.draining, "workers": workers}
+    status = "unhealthy" if not ok else "ok"
+    if ok and any(w["status"] == "degraded" for w in workers):
+        status = "degraded"
+    body = {"status": status, "draining": rt.draining, "workers": workers}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -109,6 +109,22 @@ class WorkerSlot:
             return False, f"denoise loop made no step for {now - self.steps_moved_at:.1f} s"
         return True, ""
 
+    def busy(self) -> tuple[str, float]:
+        """(the model stage call its loop is in, e.g. "encode", seconds in it) as of the last
+        stats answer; ("", 0.0) when none."""
+        s = self.stats.get("loop_busy_s", 0.0)
+        stage = next((k.removeprefix("loop_busy_") for k in self.stats
+                      if k.startswith("loop_busy_") and k != "loop_busy_s"), "")  # fmt: skip
+        return (stage or "a stage", s) if s > 0 else ("", 0.0)
+
+    def overrun(self, stage_overrun_s: float) -> str:
+        """Why the worker is degraded ("" = it is not): its loop has been in one model stage
+        call for longer than `stage_overrun_s` (working, but every other request waits)."""
+        stage, s = self.busy()
+        if s <= stage_overrun_s:
+            return ""
+        return f"its loop has been in one {stage} call for {s:.1f} s (over {stage_overrun_s:g} s)"
+
     def forget(self, uid: str) -> None:
         self.routes.pop(uid, None)
         self.progress.pop(uid, None)

@@ -20,8 +20,10 @@ from PIL import Image
 
 from instgenie.config import LimitsConfig
 from instgenie.engine.imageio import decode_mask, mask_ratio
+from instgenie.engine.sizing import native_side, resolve_limits, working_size
 from instgenie.errors import ValidationError
 from instgenie.messages import Progress
+from instgenie.server.admission import CostAdmission
 from instgenie.server.config import ServerConfig
 from instgenie.server.dispatcher import Dispatcher, Outcome, Ticket
 from instgenie.server.errors import ApiError, cancel_code
@@ -47,6 +49,8 @@ class EditSpec:
     template_id: str | None  # the registered template it uses, if any
     seed: int
     image_size: tuple[int, int] = (0, 0)  # the image's (width, height), pixels
+    #: the (width, height) the worker will work at (engine/sizing.working_size), pixels
+    work_size: tuple[int, int] = (0, 0)
 
 
 class Runtime:
@@ -59,8 +63,10 @@ class Runtime:
     ) -> None:
         self.pool = pool
         self.cfg = cfg
-        self.limits = limits
         self.model_id = pool.slots[0].config.model.model
+        self.native = native_side(self.model_id)
+        self.limits = resolve_limits(limits, self.native)
+        self.admission = CostAdmission(self.native, cfg.max_request_cost, cfg.max_request_seconds)
         self.started = time.time()
         self.metrics = Metrics()
         self.dispatcher = Dispatcher(pool, make_policy(cfg.routing), cfg)
@@ -127,6 +133,34 @@ class Runtime:
             return probe_image(data, field, self.limits)
         except ValidationError as exc:
             raise ApiError.from_validation(exc) from None
+
+    @property
+    def granule(self) -> int:
+        """Working sizes are multiples of this (the workers' CostSpec; 8 before any reported)."""
+        specs = [s.cost for s in self.pool.slots if s.cost is not None]
+        return specs[0].granule if specs else 8
+
+    def work_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) a worker works at for a `width` x `height` input, as its
+        pre-processing decides (oversize policy included); 413 past the limits."""
+        g = self.granule
+        try:
+            w, h = working_size(width, height, g, self.native, self.limits)
+        except ValidationError as exc:
+            raise ApiError.from_validation(exc) from None
+        return max(g, w), max(g, h)  # smaller: the worker refuses the image (422)
+
+    def check_cost(
+        self,
+        pixels: int,
+        steps: int | None,
+        guidance: float | None,
+        strength: float | None = None,
+        what: str = "this edit",
+    ) -> None:
+        """422 too_costly for a request over the deployment's budget (server/admission.py)."""
+        specs = [s.cost for s in self.pool.slots if s.cost is not None and s.accepting]
+        self.admission.check(specs, pixels, steps, guidance, strength, what=what)
 
     def check_params(
         self, prompt: str, negative: str | None, steps: int | None, guidance: float | None
@@ -207,6 +241,16 @@ class Runtime:
         if guidance_scale is None and rec is not None:
             guidance_scale = rec.msg.guidance_scale
         out_w, out_h = size if size is not None else (None, None)
+        work = (out_w, out_h) if size is not None else self.work_size(width, height)
+        if work[0] * work[1] > self.limits.max_image_pixels:
+            raise ApiError(
+                413,
+                "image_too_large",
+                f"size: {work[0]}x{work[1]} = {work[0] * work[1]} pixels; the limit is "
+                f"{self.limits.max_image_pixels} pixels (raise it with --max-image-pixels)",
+                "size",
+            )
+        self.check_cost(work[0] * work[1], steps, guidance_scale, strength)
         fields = dict(
             image=image,
             mask=mask,
@@ -223,10 +267,9 @@ class Runtime:
             template_id=rec.template_id if rec is not None else None,
         )
         tid = rec.template_id if rec is not None else None
-        pixels = out_w * out_h if out_w is not None and out_h is not None else width * height
-        route = RouteRequest(template_id=tid, num_steps=steps, pixels=pixels,
+        route = RouteRequest(template_id=tid, num_steps=steps, pixels=work[0] * work[1],
                              guidance=guidance_scale, strength=strength)  # fmt: skip
-        return EditSpec(fields, route, tid, seed, (width, height))
+        return EditSpec(fields, route, tid, seed, (width, height), work)
 
     async def measure_mask(self, specs: list[EditSpec]) -> None:
         """Fill the routing facts a mask-aware policy prices (RouteRequest.mask_ratio, pixels
@@ -239,12 +282,10 @@ class Runtime:
         if not specs_of:
             return
         strides = sorted({b.stride for c in specs_of for b in c.blocks})
-        g = specs_of[0].granule
         measured: dict[tuple, tuple[float, dict[int, float]]] = {}
         for spec in specs:
             mask = spec.fields["mask"]
-            (w, h), out = spec.image_size, (spec.fields.get("width"), spec.fields.get("height"))
-            work = out if None not in out else (max(g, w - w % g), max(g, h - h % g))
+            work = spec.work_size
             key = (id(mask), work)  # the n edits of one OpenAI request share their mask
             if key not in measured:
                 try:

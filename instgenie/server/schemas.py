@@ -166,6 +166,9 @@ class JobResponse(BaseModel):
     status: Literal["queued", "running", "done", "failed", "cancelled"]
     created: float
     finished: float | None
+    stage: Literal["preprocess", "encode", "denoise", "decode", "postprocess"] | None = Field(
+        None, description="the stage it is in on its worker (null while queued or finished)"
+    )
     progress: JobProgress
     result: EditResponse | None
     error: ErrorDetail | None
@@ -236,6 +239,14 @@ class WorkerHealth(BaseModel):
     device: str
     state: str
     healthy: bool
+    status: Literal["ok", "degraded", "unhealthy"] = Field(
+        "ok",
+        description="degraded: its loop has been in one model stage call (busy_stage) for "
+        "busy_s > --stage-overrun-s; it still makes progress, routing sends it nothing new "
+        "while another worker is ok",
+    )
+    busy_stage: str | None = None
+    busy_s: float = 0.0
     reason: str | None
     pid: int | None
     address: str | None
@@ -254,7 +265,7 @@ class WorkerHealth(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "unhealthy"]
+    status: Literal["ok", "degraded", "unhealthy"]
     draining: bool
     workers: list[WorkerHealth]
 

@@ -61,6 +61,7 @@ class Child:
     holding: set[str] = field(default_factory=set)  # uids sent to it and not yet answered
     running: int = 0  # requests its last heartbeat says it works on (the loop's batch)
     busy_s: float = 0.0  # how long its main thread has been in one model stage call (doing)
+    busy_stage: str = ""  # that stage call ("encode", "decode"), "" = none
     restarts: int = 0
     codec: bool = True  # it may run image codec work (ChildReady)
 
@@ -137,6 +138,7 @@ class ChildProcesses:
             flight.stage, flight.holder = ("loop" if self.inline else "pre"), target
             target.holding.add(flight.uid)
             self.send(target, flight.msg)
+            self.stage_report(flight, "preprocess")
         while self.to_loop and loop.ready:
             msg = self.to_loop.popleft()
             self._hand_over(loop, msg)

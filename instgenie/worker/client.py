@@ -302,8 +302,9 @@ class WorkerClient:
         elif isinstance(msg, Progress):
             handle = self._edits.get(msg.uid)
             if handle is not None:
-                handle.num_steps = msg.num_steps  # before the step: readers check progress
-                handle.progress.append(msg.step)
+                if msg.step > 0:  # a denoise step (else a stage report)
+                    handle.num_steps = msg.num_steps  # before the step: readers check progress
+                    handle.progress.append(msg.step)
                 if handle.on_progress is not None:
                     handle.on_progress(msg)
         elif isinstance(msg, Accepted):

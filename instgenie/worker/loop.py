@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections import deque
 
 import torch
 from PIL import Image
@@ -52,6 +53,7 @@ from instgenie.tensorshm import pack, release, unpack
 from instgenie.worker.batcher import Batcher, Retired
 from instgenie.worker.child import ChildRuntime, release_bundles
 from instgenie.worker.codec import from_parts, inputs_from_parts, to_parts
+from instgenie.worker.names import CAPTURE_PREFIX
 from instgenie.worker.policies import get_policy
 from instgenie.worker.stages import Stages, capture_uid, failure
 
@@ -84,6 +86,8 @@ class Loop:
         #: (template id, this loop's capture run to start if that one fails, or None)
         self.awaiting: dict[str, tuple[str, RequestState | None]] = {}
         self.awaiting_polled = 0.0  # monotonic time of the last poll_awaiting
+        #: messages read and not yet handled, in arrival order (Aborts never wait here)
+        self.inbox: deque[Message] = deque()
 
     def run(self) -> None:
         while True:
@@ -100,12 +104,34 @@ class Loop:
 
     # ---- receive --------------------------------------------------------------------------------
     def receive(self) -> None:
-        """Handle every waiting message; block for the first only when holding no request."""
-        block = self.batcher.idle and self.stop is None
+        """Handle every waiting message; block for the first only when holding no request.
+        Aborts overtake the work read with them (`drain`), and each message is handled only
+        after the inbox is read again: a request cancelled while the loop encodes another is
+        dropped before its own encode (a stage boundary), not after it."""
+        block = self.batcher.idle and self.stop is None and not self.inbox
         msg = self.rt.recv(0 if not block else AWAIT_POLL_MS if self.awaiting else None)
-        while msg is not None:
-            self.handle(msg)
-            msg = self.rt.recv(0)
+        if msg is not None:
+            self.inbox.append(msg)
+        self.drain()
+        while self.inbox:
+            self.handle(self.inbox.popleft())
+            self.drain()
+
+    def drain(self) -> set[str]:
+        """Read every waiting message into `inbox`, applying Aborts at once: an aborted request
+        leaves the batch, or, not yet handled, the inbox (its bundle released). Returns the
+        uids aborted."""
+        aborted = set()
+        while (msg := self.rt.recv(0)) is not None:
+            if not isinstance(msg, Abort):
+                self.inbox.append(msg)
+                continue
+            aborted.add(msg.uid)
+            self.batcher.abort(msg.uid)
+            for m in [m for m in self.inbox if getattr(m, "uid", None) == msg.uid]:
+                self.inbox.remove(m)
+                release_bundles(m)
+        return aborted
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, Prepared):
@@ -115,6 +141,7 @@ class Loop:
             try:
                 tensors = unpack(msg.state, unlink=True)
                 if msg.meta.get("inputs"):  # model_stages="loop": encode here
+                    self._stage(msg.uid, "encode")
                     with self.rt.doing("encode"):
                         state = self.encode(tensors, msg.meta)
                 else:
@@ -293,6 +320,13 @@ class Loop:
     def send_finished(self, finished: list[tuple[RequestState, float]]) -> None:
         """To post-processing; with model_stages="loop" VAE-decoded here first, in one batch
         (one request whose decode fails fails alone)."""
+        if self.decode_here:  # a stage boundary: requests cancelled by now are not decoded
+            aborted = self.drain()
+            finished = [f for f in finished if f[0].uid not in aborted]
+            if not finished:
+                return
+            for state, _ in finished:
+                self._stage(state.uid, "decode")
         images: list[Image.Image | None] = [None] * len(finished)
         if self.decode_here:
             t0 = time.perf_counter()
@@ -337,6 +371,11 @@ class Loop:
         self.rt.send(dataclasses.replace(done, preprocess_ms=pre_ms, denoise_ms=denoise_ms))
 
     # ---- report ---------------------------------------------------------------------------------
+    def _stage(self, uid: str, stage: str) -> None:
+        """Tell the client (through the supervisor) that request `uid` entered `stage`."""
+        if not uid.startswith(CAPTURE_PREFIX):
+            self.rt.send(Progress(uid=uid, step=0, num_steps=0, stage=stage))
+
     def _progress(self, states: list[RequestState]) -> None:
         for s in states:
             if "capture_key" not in s.extras:

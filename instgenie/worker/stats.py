@@ -23,7 +23,12 @@ def worker_stats(sup: Supervisor) -> dict[str, float]:
     out["ready"] = float(sup.ready)
     out["steps_total"] = float(sup.step_offset + sup.loop_steps)
     #: > 0 while the loop encodes/decodes (under stage_timeout_s): busy, not stalled
-    out["loop_busy_s"] = max((c.busy_s for c in sup.children if c.role == "loop"), default=0)
+    loop = [c for c in sup.children if c.role == "loop"]
+    out["loop_busy_s"] = max((c.busy_s for c in loop), default=0)
+    #: 1.0 for the stage call the loop is in ("loop_busy_encode", "loop_busy_decode")
+    for c in loop:
+        if c.busy_stage:
+            out[f"loop_busy_{c.busy_stage}"] = 1.0
     out["uptime_s"] = time.monotonic() - sup.started
     out["garbage_frames"] = float(sup.server.garbage_frames + sup.inbox.garbage_frames)
     out["pid_supervisor"] = float(os.getpid())

@@ -361,6 +361,7 @@ class Supervisor(ChildProcesses):
                 c.last_iterations = msg.loop_iterations
                 c.running = len(msg.in_flight)
                 c.busy_s = took if busy else 0.0
+                c.busy_stage = msg.busy if busy else ""
         elif isinstance(msg, ChildReady):
             self.child_ready(msg)
         elif isinstance(msg, Prepared):
@@ -442,6 +443,12 @@ class Supervisor(ChildProcesses):
         flight.preprocess_ms += float(extras.get("encode_ms", 0.0))
         flight.decode_ms = float(extras.get("decode_ms", 0.0))
         self.to_post.append(msg)
+        self.stage_report(flight, "postprocess")
+
+    def stage_report(self, flight: Flight, stage: str) -> None:
+        """Tell the client which stage its request entered (a Progress with `stage`)."""
+        self.reply(flight.identity, Progress(uid=flight.client_uid, step=0, num_steps=0,
+                                             stage=stage))  # fmt: skip
 
     def template_done(
         self, tid: str, ok: bool, message: str, bytes_by_tier: dict[str, int] | None = None
