@@ -215,3 +215,35 @@ def _wait_degraded(srv: ServerProcess) -> dict:
             return body
         assert time.monotonic() < deadline, f"never degraded: {body}"
         time.sleep(0.1)
+
+
+# ---- degraded: beyond the stage's expected time -------------------------------------------------
+def test_a_stage_overruns_past_a_multiple_of_its_profiled_time() -> None:
+    from dataclasses import replace
+
+    from instgenie.config import Config
+    from instgenie.messages import CostFit
+    from instgenie.server.pool import STAGE_OVERRUN_FACTOR, STAGE_OVERRUN_FLOOR_S, WorkerSlot
+    from instgenie.server.routing import RouteRequest
+
+    spec = cost_spec(EditPipeline.load("sd2-inpaint:tiny"))
+    slot = WorkerSlot(0, Config(), 4, state="up")
+    slot.stats = {"loop_busy_s": 9.0, "loop_busy_encode": 1.0}
+    assert slot.busy() == ("encode", 9.0)
+    # no price (no cost spec, or FLOP-priced without a profile): the configured limit
+    assert slot.overrun(30.0) == ""
+    assert "over 8 s" in slot.overrun(8.0)
+    # a profile prices the encode of a 1 MP request at 2 s: 4x that is the limit
+    fit = CostFit(slope=2e3 / 1e6, intercept=0.0)  # ms per pixel
+    slot.cost = replace(spec, compute={"x": fit}, stages={"encode": fit})
+    slot.routes = {"a": RouteRequest(None, 20, 256 * 256), "b": RouteRequest(None, 20, 10**6)}
+    assert slot.stage_limit_s("encode", 30.0) == (STAGE_OVERRUN_FACTOR * 2.0, 2.0)
+    assert "over 8 s: expected 2.0 s" in slot.overrun(30.0)  # 9 s in it: degraded
+    slot.stats["loop_busy_s"] = 7.5
+    assert slot.overrun(30.0) == ""
+    # a cheap stage never overruns before the floor; the config stays the upper bound
+    slot.routes = {"a": RouteRequest(None, 20, 256 * 256)}
+    assert slot.stage_limit_s("encode", 30.0)[0] == STAGE_OVERRUN_FLOOR_S
+    slot.routes = {"b": RouteRequest(None, 20, 100 * 10**6)}
+    assert slot.stage_limit_s("encode", 30.0)[0] == 30.0
+    assert slot.stage_limit_s("decode", 30.0) == (30.0, 0.0)  # that stage is not priced

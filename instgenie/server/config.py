@@ -40,7 +40,8 @@ class ServerConfig:
     max_request_seconds: float = 0.0
     #: a worker whose loop has been in one model stage call (VAE/prompt encode, VAE decode) this
     #: long, seconds, is degraded: /health says so and routing sends it nothing new while
-    #: another worker is not (well below WorkerConfig.stage_timeout_s, which kills it)
+    #: another worker is not (well below WorkerConfig.stage_timeout_s, which kills it); sooner,
+    #: at 4x the call's expected time (5 s at least), where the worker's profile prices it
     stage_overrun_s: float = 30.0
     #: Retry-After of 429 and retryable 503 answers, seconds
     retry_after_s: int = 2

@@ -27,6 +27,12 @@ log = logging.getLogger("instgenie.server")
 #: how long a worker that is still starting gets to shut down before it is killed, seconds
 #: (nothing is in flight yet)
 STOP_STARTING_S = 2.0
+#: where a worker's profile prices a stage call (CostSpec.stages, ms against working pixels),
+#: the call overruns past this multiple of that price for the largest request the worker holds,
+#: and never before STAGE_OVERRUN_FLOOR_S seconds (a loaded host's jitter); the config's
+#: stage_overrun_s stays the upper bound and the limit where there is no price
+STAGE_OVERRUN_FACTOR = 4.0
+STAGE_OVERRUN_FLOOR_S = 5.0
 
 
 @dataclass
@@ -117,13 +123,30 @@ class WorkerSlot:
                       if k.startswith("loop_busy_") and k != "loop_busy_s"), "")  # fmt: skip
         return (stage or "a stage", s) if s > 0 else ("", 0.0)
 
+    def stage_limit_s(self, stage: str, stage_overrun_s: float) -> tuple[float, float]:
+        """(seconds one `stage` call may take before the worker is degraded, the call's expected
+        seconds or 0.0 if unpriced): STAGE_OVERRUN_FACTOR x its expected time where the worker's
+        profile prices the stage (at the largest request it holds, which is the one a
+        long call most likely serves), at least STAGE_OVERRUN_FLOOR_S, at most
+        `stage_overrun_s`; `stage_overrun_s` where it is unpriced."""
+        fit = self.cost.stages.get(stage) if self.cost is not None and self.cost.compute else None
+        if fit is None or not self.routes:
+            return stage_overrun_s, 0.0
+        pixels = max(r.pixels for r in self.routes.values())
+        expected_s = max(0.0, fit.slope * pixels + fit.intercept) / 1e3
+        limit = max(STAGE_OVERRUN_FACTOR * expected_s, STAGE_OVERRUN_FLOOR_S)
+        return min(stage_overrun_s, limit), expected_s
+
     def overrun(self, stage_overrun_s: float) -> str:
         """Why the worker is degraded ("" = it is not): its loop has been in one model stage
-        call for longer than `stage_overrun_s` (working, but every other request waits)."""
+        call for longer than it should take (`stage_limit_s`: working, but every other request
+        waits)."""
         stage, s = self.busy()
-        if s <= stage_overrun_s:
+        limit, expected_s = self.stage_limit_s(stage, stage_overrun_s)
+        if s <= limit:
             return ""
-        return f"its loop has been in one {stage} call for {s:.1f} s (over {stage_overrun_s:g} s)"
+        why = f"expected {expected_s:.1f} s" if expected_s else f"stage_overrun_s {limit:g} s"
+        return f"its loop has been in one {stage} call for {s:.1f} s (over {limit:g} s: {why})"
 
     def forget(self, uid: str) -> None:
         self.routes.pop(uid, None)
