@@ -121,13 +121,16 @@ class Runtime:
                 raise ApiError.invalid(
                     name, f"is {len(text)} characters; the limit is {lim.max_prompt_chars}"
                 )
+        # one message per field for every out-of-range value (the schemas only document bounds)
         if steps is not None and not 1 <= steps <= lim.max_steps:
             raise ApiError.invalid(
-                "num_inference_steps", f"must be between 1 and {lim.max_steps}, got {steps}"
+                "num_inference_steps",
+                f"must be an integer between 1 and {lim.max_steps}, got {steps}",
             )
         if guidance is not None and not 0 <= guidance <= lim.max_guidance_scale:
             raise ApiError.invalid(
-                "guidance_scale", f"must be between 0 and {lim.max_guidance_scale}, got {guidance}"
+                "guidance_scale",
+                f"must be a number between 0 and {lim.max_guidance_scale:g}, got {guidance}",
             )
 
     def default_steps(self) -> int | None:
