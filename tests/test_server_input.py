@@ -120,6 +120,29 @@ def test_nul_in_a_multipart_text_field_is_a_field_named_4xx(srv: ServerProcess) 
     assert r.json()["error"]["param"] == "user" and r.json()["error"]["code"] == "invalid_text"
 
 
+def test_a_stored_template_with_unencodable_text_still_renders() -> None:
+    """Defensive serialization: a record whose prompt or worker message UTF-8 cannot encode
+    (stored before validation existed, or quoted back by a worker) renders, escaped, in the
+    template view that GET /v1/templates and /v1/templates/{id} answer."""
+    from types import SimpleNamespace
+
+    from instgenie.messages import RegisterTemplate
+    from instgenie.server.native import _template_view
+    from instgenie.server.schemas import TemplateResponse
+    from instgenie.server.templates import TemplateRecord, WorkerBuild
+
+    msg = RegisterTemplate(template_id="ab" * 32, image=b"", prompt="a\ud800", seed=0)
+    rec = TemplateRecord(msg, SIZE, SIZE)
+    rec.builds[0] = WorkerBuild(state="failed", message="RegisterTemplate: cannot pack 'a\ud800'")
+    view = _template_view(SimpleNamespace(pool=SimpleNamespace(slots=[])), rec)
+    json.dumps(view, ensure_ascii=False).encode("utf-8")  # what the JSON response does
+    assert view["prompt"] == "a\\ud800" and view["status"] == "failed"
+    assert (
+        view["error"] == view["workers"][0]["message"] == "RegisterTemplate: cannot pack 'a\\ud800'"
+    )
+    TemplateResponse.model_validate(view)
+
+
 # ---- every text field, generated ----------------------------------------------------------------
 def _settings(fn):
     return settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
