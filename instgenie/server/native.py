@@ -78,7 +78,7 @@ def _template_view(rt: Runtime, rec: TemplateRecord) -> dict:
         "id": rec.template_id,
         "object": "template",
         "status": state,
-        "created": rec.created,
+        "created": int(rec.created),
         "width": rec.width,
         "height": rec.height,
         "prompt": printable(m.prompt),

@@ -271,6 +271,11 @@ class Runtime:
                 build = rec.builds.get(outcome.worker) if rec is not None else None
                 tier = fastest_tier(build.bytes_by_tier if build is not None else {})
             self.metrics.cache_hits.labels(tier or "unknown").inc()
+        if d.fallback_reason is not None:  # a slower edit than its template promised
+            log.warning(
+                "edit %s of template %s took the full path: %s",
+                ticket.uid, (spec.template_id or "")[:12], d.fallback_reason,
+            )  # fmt: skip
         self.metrics.edits.labels(d.path, d.cache or "none").inc()
         self.metrics.edit_seconds.observe(outcome.server_total_ms / 1e3)
         return {
@@ -287,6 +292,7 @@ class Runtime:
             "path": d.path,
             "cache": d.cache,
             "cache_tier": tier,
+            "fallback_reason": d.fallback_reason,
             "template_id": spec.template_id,
             "seed": spec.seed,
             "worker": outcome.worker,

@@ -188,6 +188,9 @@ class EditResponse(BaseModel):
     path: Literal["masked", "full"]
     cache: Literal["hit", "miss"] | None = Field(description="template cache use; null: none")
     cache_tier: str | None = Field(description="fastest tier holding the template on the worker")
+    fallback_reason: str | None = Field(
+        None, description="an edit of a template on the full path: why (e.g. other step count)"
+    )
     template_id: str | None
     seed: int
     worker: int
@@ -203,8 +206,8 @@ class JobResponse(BaseModel):
     id: str
     object: Literal["edit.job"] = "edit.job"
     status: Literal["queued", "running", "done", "failed", "cancelled"]
-    created: float
-    finished: float | None
+    created: int = Field(description="unix seconds")
+    finished: int | None = Field(description="unix seconds; null until finished")
     progress: JobProgress
     result: EditResponse | None
     error: ErrorDetail | None
@@ -222,7 +225,7 @@ class TemplateResponse(BaseModel):
     id: str
     object: Literal["template"] = "template"
     status: Literal["building", "ready", "failed"]
-    created: float
+    created: int = Field(description="unix seconds")
     width: int
     height: int
     prompt: str
