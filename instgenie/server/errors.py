@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from instgenie.errors import ValidationError
+from instgenie.server.schemas import INVALID_TEXT
 
 if TYPE_CHECKING:  # the worker client imports torch; this module is also used without it
     from instgenie.worker.client import WorkerError
@@ -82,7 +83,7 @@ def from_worker(exc: WorkerError, retry_after_s: int) -> ApiError:
 def code_of(error: dict) -> str:
     """The API error code of one pydantic error: `invalid_text` for a text field that is not
     valid Unicode (schemas.check_text), else `invalid_request`."""
-    return "invalid_text" if error.get("type") == "invalid_text" else "invalid_request"
+    return INVALID_TEXT if error.get("type") == INVALID_TEXT else "invalid_request"
 
 
 def printable(text: str) -> str:
