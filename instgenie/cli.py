@@ -174,15 +174,25 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     model = dataclass_from_args(ModelConfig, args)
     check_model_config(model)
-    if args.disk_dir and not Path(args.disk_dir).is_dir():
-        raise ValidationError("disk_dir", f"{args.disk_dir!r} is not a directory")
     base = _stages_base(args.output) if args.stages_only else None
     with PendingOutput(Path(args.output)) as pending:  # -o checked before the profiling
+        if args.disk_dir and not args.stages_only:
+            _disk_dir(args.disk_dir)
         prof = _profile(args, model, pending, base)
     for line in r2_report(prof):
         print(line)
     print(f"wrote {args.output}")
     return 0
+
+
+def _disk_dir(path: str) -> None:
+    """The scratch directory `profile --disk-dir` writes its test entries in: made (with its
+    parents) when missing, like the cache root it stands for; a file there is refused."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # FileExistsError: a file at the path (or on the way)
+        why = "is not a directory" if isinstance(exc, FileExistsError) else exc.strerror
+        raise ValidationError("disk_dir", f"{path!r} {why}") from None
 
 
 def _stages_base(path: str):

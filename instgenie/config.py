@@ -1,13 +1,18 @@
 """One frozen configuration tree. Each component receives only its own sub-config.
 
 CLI flags are generated from these dataclass fields (see `add_dataclass_args`), so a field added
-here is a flag everywhere it is exposed, with its docstring comment as the help text.
+here is a flag everywhere it is exposed, with its `#:` comment as the help text (`field_help`
+reads the comments from the source: they stay the one place a setting is documented).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
+import textwrap
 import typing
 from dataclasses import dataclass, field
 
@@ -210,21 +215,56 @@ def from_dict(cls: type, data: dict) -> typing.Any:
     return cls(**kwargs)
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default; an empty string default reads `""`."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = super()._get_help_string(action) or ""
+        return text.replace("%(default)s", '""') if action.default == "" else text
+
+
+@functools.cache
+def field_help(cls: type) -> dict[str, str]:
+    """{field name: its `#:` comment lines above it, joined} of a config dataclass, read from
+    its source; {} when the source is not available."""
+    try:
+        lines, _ = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return {}
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    out: dict[str, str] = {}
+    for node in tree.body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        comment: list[str] = []
+        i = node.lineno - 2  # the line above the field, 0-based
+        while i >= 0 and lines[i].strip().startswith("#:"):
+            comment.insert(0, lines[i].strip().removeprefix("#:").strip())
+            i -= 1
+        out[node.target.id] = " ".join(comment)
+    return out
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, skip: tuple = ()) -> None:
-    """Add one `--kebab-name` flag per field of dataclass `cls` (defaults from the class)."""
+    """Add one `--kebab-name` flag per field of dataclass `cls` (defaults from the class, help
+    from the field's comment: `field_help`)."""
     hints = typing.get_type_hints(cls)
+    helps = field_help(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         typ = hints[f.name]
+        text = helps.get(f.name, "").replace("%", "%%") or None  # argparse %-formats help
         if typ is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=text
+            )
         elif typing.get_origin(typ) is tuple:
-            parser.add_argument(flag, nargs="+", default=default)
+            parser.add_argument(flag, nargs="+", default=default, help=text)
         else:
-            parser.add_argument(flag, type=typ, default=default)
+            parser.add_argument(flag, type=typ, default=default, help=text)
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, **overrides: typing.Any):

@@ -25,7 +25,7 @@ import msgpack
 
 from instgenie.errors import InstGenIEError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MAX_MESSAGE_BYTES = 64 << 20  # default cap on one encoded message, bytes (tensors go via shm)
 MAX_DEPTH = 32  # nesting limit of `Any` values
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry
@@ -362,6 +362,8 @@ class EditDone(WorkerToClient):  # the result (post); times: worker wall clock, 
     cache: str | None = None  # "hit" (template cache read) | "miss" | None (no template)
     cache_tier: str | None = None  # on a hit, where the cache was read from when the edit joined:
     # "gpu" | "cpu" (the loop's device store) | "dram" | "disk" (host store); None otherwise
+    fallback_reason: str | None = None  # an edit of a template on the full path: why (loop's
+    # path selection, EditPipeline.select_path); None otherwise
     queue_ms: float = 0.0  # waiting: total_ms minus the three stage times below
     preprocess_ms: float = 0.0  # pre-process wall time (decode, validate, prompt + VAE encode)
     denoise_ms: float = 0.0  # joined the batch -> left it

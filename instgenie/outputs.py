@@ -1,12 +1,12 @@
 """Output files of the commands (`instgenie edit`, `profile`, `client edit`): checked before
 any work is done, written whole or not at all.
 
-`PendingOutput(path)` refuses a directory or a parent that is not a directory (ValidationError
-on field "output"), makes missing parents and opens a temporary file next to the target, so an
+`PendingOutput(path)` refuses a directory, a parent directory that does not exist (it makes none:
+a typo in a path must not silently grow a tree) or a parent that is not a directory
+(ValidationError on field "output"), and opens a temporary file next to the target, so an
 unusable path fails before the model runs; `commit(data)` writes, fsyncs and renames it over the
-target. Leaving the `with` block without a commit (an error, Ctrl-C) removes the temporary file
-and the directories it made: a failed command leaves no partial file, and an older file at the
-path stays as it was.
+target. Leaving the `with` block without a commit (an error, Ctrl-C) removes the temporary file:
+a failed command leaves no partial file, and an older file at the path stays as it was.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ class PendingOutput:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._made: list[Path] = []
         self._fd: int | None = None
         self._tmp: str | None = None
 
@@ -60,17 +59,22 @@ class PendingOutput:
         try:
             if out.is_dir():
                 raise ValidationError("output", f"{str(out)!r} is a directory")
-            missing, parent = [], out.parent
-            while not os.path.lexists(parent):
-                missing.append(parent)
-                parent = parent.parent
+            parent = out.parent
+            if not os.path.lexists(parent):
+                missing = parent
+                while not os.path.lexists(missing.parent):
+                    missing = missing.parent
+                if missing.parent.is_dir():  # else: a file on the way, refused below
+                    raise ValidationError(
+                        "output",
+                        f"cannot write {str(out)!r}: directory {str(parent)!r} does not exist "
+                        "(create it first)",
+                    )
+                parent = missing.parent
             if not parent.is_dir():
                 raise ValidationError(
                     "output", f"cannot write {str(out)!r}: {str(parent)!r} is not a directory"
                 )
-            for d in reversed(missing):
-                d.mkdir()
-                self._made.append(d)
             self._fd, self._tmp = tempfile.mkstemp(
                 dir=out.parent, prefix=f".{out.name}.", suffix=".part"
             )
@@ -95,7 +99,7 @@ class PendingOutput:
             raise ValidationError(
                 "output", f"cannot write {str(self.path)!r}: {exc.strerror or exc}"
             ) from None
-        self._tmp, self._made = None, []
+        self._tmp = None
         try:  # make the rename durable; best effort
             dfd = os.open(self.path.parent, os.O_RDONLY)
             try:
@@ -115,9 +119,3 @@ class PendingOutput:
             except OSError:
                 pass
             self._tmp = None
-        for d in reversed(self._made):
-            try:
-                d.rmdir()
-            except OSError:
-                break
-        self._made = []

@@ -12,5 +12,6 @@ port="${INSTGENIE_DEMO_PORT:-8000}"
 server=$!
 stop() { kill -TERM "$server" 2>/dev/null || true; wait "$server" || true; }
 trap stop EXIT
+mkdir -p out  # -o never makes directories
 .venv/bin/instgenie client edit --server "http://127.0.0.1:$port" --wait-ready-s 300 \
     --prompt "a red silk shirt" --steps 20 -o out/edit.png

@@ -93,7 +93,10 @@ def _dirty(tmp_path):
 @pytest.mark.parametrize(
     "output, message",
     [(".", "is a directory"), ("file/o.png", "'file' is not a directory"),
-     ("o.txt", "'.txt' is not an image file suffix")],
+     ("o.txt", "'.txt' is not an image file suffix"),
+     # a missing directory is not made (a typo would silently grow a tree)
+     ("nodir/o.png", "directory 'nodir' does not exist (create it first)"),
+     ("/nonexistent/dir/e.png", "directory '/nonexistent/dir' does not exist")],
 )  # fmt: skip
 def test_edit_refuses_an_unusable_output_before_any_model_work(
     output, message, tmp_path, capsys, monkeypatch
@@ -149,15 +152,16 @@ def test_profile_writes_every_fit_the_planner_and_router_read(tmp_path, capsys) 
     load fit, the rest of the step, the loop's stages, and the command that made them."""
     from instgenie.cache.profiler import MODES, STAGES, Profile, check_profile
 
-    out = tmp_path / "p.json"
+    out, disk = tmp_path / "p.json", tmp_path / "scratch" / "disk"  # --disk-dir: made if missing
     code = main(["profile", "--model", "sdxl-inpaint:tiny", "--size", "128", "--batches", "1",
                  "--ratios", "0.2", "1.0", "--warmup", "0", "--iters", "1", "--load-mb", "1", "2",
-                 "-o", str(out)])  # fmt: skip
+                 "--disk-dir", str(disk), "--disk-mb", "1", "2", "-o", str(out)])  # fmt: skip
     assert code == 0, capsys.readouterr().err
     prof = Profile.load_file(out)
     check_profile(prof, _tiny_family())
     assert all(set(fits) == set(MODES) for fits in prof.compute.values())
-    assert set(prof.load) == {"dram"} and prof.other is not None and prof.other.n == 4
+    assert set(prof.load) == {"dram", "disk"} and prof.other is not None and prof.other.n == 4
+    assert disk.is_dir()
     assert set(prof.stages) == set(STAGES) and all(f.n == 3 for f in prof.stages.values())
     assert [px for px, _ in prof.meta["stage_samples"]["encode"]] == [64**2, 96**2, 128**2]
     assert prof.meta["command"].startswith("instgenie profile --model sdxl-inpaint:tiny")
@@ -297,6 +301,6 @@ def test_ctrl_c_exits_130_without_a_traceback_or_a_file(tmp_path, capsys, monkey
         raise KeyboardInterrupt
 
     monkeypatch.setattr(EditPipeline, "load", interrupted)
-    assert main(["edit", "--prompt", "x", "-o", str(tmp_path / "out" / "o.png")]) == 130
+    assert main(["edit", "--prompt", "x", "-o", str(tmp_path / "o.png")]) == 130
     assert capsys.readouterr().err == "interrupted\n"
     assert list(tmp_path.iterdir()) == []

@@ -134,6 +134,8 @@ def listing(d: Path) -> list[str]:
     [
         ("notimage.png/e.png", "'notimage.png' is not a directory"),  # the parent is a file
         ("notimage.png/sub/e.png", "'notimage.png' is not a directory"),
+        ("nodir/e.png", "directory 'nodir' does not exist (create it first)"),  # none is made
+        ("no/such/dir/e.png", "directory 'no/such/dir' does not exist"),
         ("somedir", "is a directory"),
         ("edit.txt", "not an image file suffix"),
     ],
@@ -163,9 +165,10 @@ def test_edit_with_an_explicit_format_accepts_any_output_name(
     assert out_file.read_bytes() == IMAGE
 
 
-def test_edit_writes_the_output_whole_makes_parents_and_leaves_no_temporary_file(
+def test_edit_writes_the_output_whole_and_leaves_no_temporary_file(
     api: FakeAPI, tmp_path, capsys
 ) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
     out_file = tmp_path / "a" / "b" / "edit.png"
     rc, out, err = client(capsys, *edit_args(api, out_file))
     assert rc == 0, err
@@ -305,7 +308,7 @@ def test_sigint_during_an_edit_exits_130_without_a_traceback_or_a_file(
     api: FakeAPI, tmp_path
 ) -> None:
     api.hold_edits = True
-    out_file = tmp_path / "new" / "edit.png"
+    out_file = tmp_path / "edit.png"
     cmd = [sys.executable, "-m", "instgenie.cli", "client", *edit_args(api, out_file)]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -322,4 +325,4 @@ def test_sigint_during_an_edit_exits_130_without_a_traceback_or_a_file(
             proc.wait()
     assert proc.returncode == 130, err
     assert err.strip() == "interrupted" and out == ""
-    assert listing(tmp_path) == []  # neither the file, its temporary nor the directory made
+    assert listing(tmp_path) == []  # neither the file nor its temporary

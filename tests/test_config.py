@@ -85,3 +85,34 @@ def test_instgenie_worker_exits_2_on_a_bad_worker_value(capsys, monkeypatch) -> 
     code = main(["worker", "--model", "sd2-inpaint:tiny", "--max-batch", "0"])
     assert code == EXIT_INVALID_INPUT
     assert "max_batch: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_every_serve_flag_has_help_and_shows_its_default(capsys) -> None:
+    """`instgenie serve --help`: each flag's help is its config field's comment (field_help)
+    followed by its default."""
+    import re
+
+    from instgenie.cli import main
+    from instgenie.config import LimitsConfig, ModelConfig, field_help
+    from instgenie.server.config import ServerConfig
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    blocks = [b.split("\n\n")[0] for b in re.split(r"\n(?=  -)", text) if b.startswith("  --")]
+    fields = [f for c in (ModelConfig, ServerConfig, WorkerConfig, LimitsConfig)
+              for f in dataclasses.fields(c)]  # fmt: skip
+    # + --devices, --worker-max-queue; - device, WorkerConfig.max_queue
+    assert len(blocks) == len(fields) >= 45
+    for block in blocks:
+        flag = block.split()[0].rstrip(",")
+        words = " ".join(block.split())
+        assert re.search(r"\(default: \S.*\)$", words), block
+        help_text = re.sub(r"^--\S+( [A-Z_]+)*(, --no-\S+)? ", "", words)
+        help_text = re.sub(r" ?\(default: .*\)$", "", help_text)
+        assert help_text.strip(), f"{flag} has no help"
+    # the help is the comment above the field, whole (argparse wraps it)
+    routing = next(b for b in blocks if b.startswith("  --routing"))
+    assert " ".join(field_help(ServerConfig)["routing"].split()) in " ".join(routing.split())
+    assert "(default: least-loaded)" in " ".join(routing.split())

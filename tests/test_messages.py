@@ -52,7 +52,8 @@ EXAMPLES: list[m.Message] = [
     m.Progress(uid="u1", step=4, num_steps=20),
     m.EditDone(
         uid="u1", data=b"\x00" * 100, output_format="png", width=512, height=512, mask_ratio=0.25,
-        num_steps=20, path="masked", cache="dram", queue_ms=1.0, preprocess_ms=2.0,
+        num_steps=20, path="full", cache="miss", queue_ms=1.0, preprocess_ms=2.0,
+        fallback_reason="the edit runs 20 denoise steps but the template's cache was captured at 4",
         denoise_ms=300.0, postprocess_ms=4.0, total_ms=310.5,
     ),
     m.EditFailed(uid="u1", code="worker_died", message="worker 0 exited", retryable=True),

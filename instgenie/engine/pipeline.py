@@ -57,6 +57,8 @@ class EditResult:
     cache: str | None
     #: on a hit: the tier the cache was read from (cache.store.tier_of), else None
     cache_tier: str | None = None
+    #: why an edit of a template took the full path (select_path), else None
+    fallback_reason: str | None = None
 
 
 @dataclass
@@ -297,26 +299,28 @@ class EditPipeline:
         return state
 
     def select_path(self, state: RequestState, key: str) -> None:
-        """Masked path if the template's cache is ready and structurally matches the edit."""
+        """Masked path if the template's cache is ready and structurally matches the edit;
+        otherwise the full path, with why in `extras["fallback_reason"]` (see `mismatch`)."""
         state.extras["cache"] = "miss"
-        if self.store.status(key) != "ready":
+        status = self.store.status(key)
+        if status != "ready":
+            state.extras["fallback_reason"] = f"the template's cache is not ready ({status})"
             return
         try:
             meta = self.store.meta(key)
         except CacheMiss:  # deleted since the status check
+            state.extras["fallback_reason"] = "the template's cache was dropped"
             return
         masks = self.family.token_masks(pixel_mask_tensor(state.mask))
-        if (
-            meta.timesteps != tuple(state.timesteps.tolist())
-            or meta.latent_shape != tuple(state.latents.shape)
-            or meta.num_rows < state.num_rows
-            or any(L not in masks for L, _ in meta.block_shapes.values())
-        ):
+        why = mismatch(meta, state, masks)
+        if why is not None:
+            state.extras["fallback_reason"] = why
             return
         tier = tier_of(self.store, key)  # before open: which tier served it (open may promote)
         try:
             handle = self.store.open(key)
         except CacheMiss:  # evicted, or a corrupt/missing disk entry: recompute in full
+            state.extras["fallback_reason"] = "the template's cache was evicted or is unreadable"
             return
         state.path, state.cache_key, state.cache_meta = "masked", key, meta
         state.cache_handle = handle
@@ -385,6 +389,7 @@ class EditPipeline:
             path=state.path,
             cache=state.extras.get("cache"),
             cache_tier=state.extras.get("cache_tier"),
+            fallback_reason=state.extras.get("fallback_reason"),
         )
 
     # ---- convenience ---------------------------------------------------------------------------
@@ -410,3 +415,28 @@ def _check_text(field: str, value: object, limit: int, *, required: bool) -> Non
         raise ValidationError(field, f"must be a string, got {type(value).__name__}")
     if len(value) > limit:
         raise ValidationError(field, f"is {len(value)} characters; the limit is {limit}")
+
+
+def mismatch(meta: TemplateMeta, state: RequestState, masks: dict) -> str | None:
+    """Why the template cache described by `meta` cannot serve `state`, else None."""
+    if len(meta.timesteps) != state.num_steps:
+        return (
+            f"the edit runs {state.num_steps} denoise steps but the template's cache was "
+            f"captured at {len(meta.timesteps)}: use the template's num_inference_steps "
+            "(and strength)"
+        )
+    if meta.timesteps != tuple(state.timesteps.tolist()):
+        return "the edit's step schedule (strength) differs from the template's"
+    if meta.latent_shape != tuple(state.latents.shape):
+        return (
+            f"the edit's working size (latents {tuple(state.latents.shape)}) differs from the "
+            f"template's {meta.latent_shape}"
+        )
+    if meta.num_rows < state.num_rows:
+        return (
+            "the edit uses classifier-free guidance but the template's cache was captured "
+            "without it (guidance_scale)"
+        )
+    if any(L not in masks for L, _ in meta.block_shapes.values()):
+        return "the template's cache has a token grid the edit's mask does not map to"
+    return None

@@ -3,23 +3,30 @@
     instgenie client edit --prompt "a red silk shirt" -o out/edit.png      # bundled sample
     instgenie client template --image in.png --prompt "a person" --wait
     instgenie client edit --template-id <id> --mask mask.png --prompt "..." -o out.webp
+    instgenie client edit --async --prompt "..." -o out.png     # a job; progress bar on stderr
+    instgenie client job <job id> [--wait] [-o out.png]          # status, progress, result
+    instgenie client cancel <job id>
     instgenie client health
 
 Exit status:
   0    ok (`template` without --wait: the build was accepted and may still be running);
-  1    the server failed or could not be reached, a template build failed, or
-       `template --wait` timed out with the template still building (the last state is printed);
+  1    the server failed or could not be reached, a template build failed, a job failed or was
+       cancelled, `job -o` found no finished result, or `template --wait` timed out with the
+       template still building (the last state is printed);
   2    bad input: a usage error, an unreadable --image/--mask, an unusable -o/--output, or a
        request the server refused (4xx);
-  130  interrupted (Ctrl-C); no output file is left behind.
+  130  interrupted (Ctrl-C); no output file is left behind (`edit --async` also cancels its job).
 `edit` checks -o before it sends the request and writes the image atomically (a temporary file
 in the same directory, renamed over the target): a failed or interrupted edit leaves no file.
+`edit --async` and `job --wait` follow the job's Server-Sent Events (GET /v1/jobs/{id}/events)
+and draw `step k/N [####......]` on stderr (one line per step when stderr is not a terminal).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import math
 import secrets
@@ -35,6 +42,7 @@ from instgenie.outputs import PendingOutput, output_format
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+TERMINAL = ("done", "failed", "cancelled")  # a job's last event (server/jobs.py)
 
 
 class ClientError(Exception):
@@ -75,13 +83,17 @@ def call(
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            err = json.loads(raw)["error"]
-            message = f"{err.get('code')}: {err.get('message')}"
-        except (ValueError, KeyError, TypeError):
-            message = raw[:500].decode(errors="replace")
-        raise ClientError(exc.code, message) from None
+        raise client_error(exc) from None
+
+
+def client_error(exc: urllib.error.HTTPError) -> ClientError:
+    raw = exc.read()
+    try:
+        err = json.loads(raw)["error"]
+        message = f"{err.get('code')}: {err.get('message')}"
+    except (ValueError, KeyError, TypeError):
+        message = raw[:500].decode(errors="replace")
+    return ClientError(exc.code, message)
 
 
 def _read(path: str | None, sample: str, field: str) -> tuple[str, bytes]:
@@ -125,6 +137,106 @@ def wait_ready(server: str, wait_s: float) -> None:
         time.sleep(0.5)
 
 
+def job_events(base: str, job_id: str, timeout: float = 60.0):
+    """(event, data) of a job's Server-Sent Events until its terminal one; `timeout`: the most
+    seconds between two lines (the server sends a keep-alive every 15 s)."""
+    req = urllib.request.Request(f"{base}/v1/jobs/{job_id}/events")
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        raise client_error(exc) from None
+    with resp:
+        event, data = None, []
+        for raw in resp:
+            line = raw.decode("utf-8").rstrip("\r\n")
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].strip())
+            elif not line and event is not None:
+                yield event, json.loads("\n".join(data) or "{}")
+                if event in TERMINAL:
+                    return
+                event, data = None, []
+
+
+class ProgressBar:
+    """`step k/N [####......]` on `stream`: redrawn in place on a terminal, else a line each."""
+
+    WIDTH = 20  # characters of the bar
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty()
+        self.drawn = False
+
+    def show(self, event: str, data: dict) -> None:
+        if event == "step" and data.get("num_steps"):
+            k, n = int(data["step"]), int(data["num_steps"])
+            filled = self.WIDTH * k // n
+            text = f"step {k}/{n} [{'#' * filled}{'.' * (self.WIDTH - filled)}]"
+        elif event == "queued":
+            text = f"queued (position {data.get('position', 0)})"
+        elif event in ("running", *TERMINAL):
+            text = event
+        else:
+            return
+        self.stream.write(("\r\x1b[K" if self.tty else "") + text + ("" if self.tty else "\n"))
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.tty and self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def follow(base: str, job_id: str) -> dict:
+    """Draw a job's progress from its events until it ends; its final view (GET)."""
+    bar = ProgressBar()
+    try:
+        for event, data in job_events(base, job_id):
+            bar.show(event, data)
+    finally:
+        bar.close()
+    return call("GET", f"{base}/v1/jobs/{job_id}")
+
+
+def save_image(result: dict, pending: PendingOutput) -> dict:
+    """Write an edit response's image; the response without it."""
+    result = dict(result)
+    try:
+        data = base64.b64decode(result.pop("image"), validate=True)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise ValueError("the server's answer carries no valid base64 image") from None
+    pending.commit(data)
+    return result
+
+
+def job_outcome(job: dict, out: Path | None, pending: PendingOutput | None) -> int:
+    """Print a job's view (its image written to `out`, never printed); the exit status."""
+    view = dict(job)
+    result = view.get("result")
+    if result is not None and pending is not None:
+        view["result"] = save_image(result, pending)
+        view["output"] = str(out)
+    elif result is not None:
+        view["result"] = {k: v for k, v in result.items() if k != "image"}
+    print(json.dumps(view))
+    if job["status"] in ("failed", "cancelled"):
+        err = job.get("error") or {}
+        print(f"error: job {job['id']} {job['status']}: {err.get('message')}", file=sys.stderr)
+        return EXIT_ERROR
+    if pending is not None and result is None:
+        print(
+            f"error: job {job['id']} is {job['status']} (step {job['progress']['step']}/"
+            f"{job['progress']['num_steps']}); nothing written (--wait waits for it)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    return EXIT_OK
+
+
 def cmd_edit(args: argparse.Namespace) -> int:
     out = Path(args.output)
     fmt = output_format(out, args.format)
@@ -141,14 +253,41 @@ def cmd_edit(args: argparse.Namespace) -> int:
     else:
         files["image"] = _read(args.image, "sample.png", "image")
     body, ctype = encode_multipart(fields, files)
+    base = args.server.rstrip("/")
     with PendingOutput(out) as pending:
-        result = call("POST", args.server.rstrip("/") + "/v1/edits", body, ctype)
-        try:
-            data = base64.b64decode(result.pop("image"), validate=True)
-        except (AttributeError, KeyError, TypeError, ValueError):
-            raise ValueError("the server's answer carries no valid base64 image") from None
-        pending.commit(data)
+        if args.is_async:
+            job = call("POST", base + "/v1/edits?async=true", body, ctype)
+            try:
+                job = follow(base, job["id"])
+            except KeyboardInterrupt:  # the job would run on without anyone to collect it
+                try:
+                    call("DELETE", f"{base}/v1/jobs/{job['id']}", timeout=10)
+                except (ClientError, OSError):
+                    pass
+                raise
+            return job_outcome(job, out, pending)
+        result = save_image(call("POST", base + "/v1/edits", body, ctype), pending)
     print(json.dumps({"output": str(out), **result}))
+    return EXIT_OK
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    base = args.server.rstrip("/")
+    out = Path(args.output) if args.output else None
+    with PendingOutput(out) if out is not None else contextlib.nullcontext() as pending:
+        if args.wait:
+            job = follow(base, args.job_id)
+        else:
+            job = call("GET", f"{base}/v1/jobs/{args.job_id}")
+        return job_outcome(job, out, pending)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """DELETE /v1/jobs/{id}: a queued or running job is cancelled (a finished one forgotten)."""
+    job = call("DELETE", f"{args.server.rstrip('/')}/v1/jobs/{args.job_id}")
+    if job.get("result") is not None:
+        job["result"] = {k: v for k, v in job["result"].items() if k != "image"}
+    print(json.dumps(job))
     return EXIT_OK
 
 
@@ -218,7 +357,25 @@ def add_client_parser(sub) -> None:
         help="default: from the output file's suffix",
     )
     edit.add_argument("-o", "--output", required=True)
+    edit.add_argument(
+        "--async",
+        dest="is_async",
+        action="store_true",
+        help="run it as a job and draw its progress on stderr (Ctrl-C cancels the job)",
+    )
     edit.set_defaults(func=run_client, client_func=cmd_edit)
+
+    job = csub.add_parser("job", help="an async edit's status, progress and result")
+    common(job)
+    job.add_argument("job_id", metavar="ID", help="job id (job_...), from `edit --async`")
+    job.add_argument("--wait", action="store_true", help="follow its progress until it ends")
+    job.add_argument("-o", "--output", help="write its image here (the job must be done)")
+    job.set_defaults(func=run_client, client_func=cmd_job)
+
+    cancel = csub.add_parser("cancel", help="cancel a queued or running job")
+    common(cancel)
+    cancel.add_argument("job_id", metavar="ID", help="job id (job_...)")
+    cancel.set_defaults(func=run_client, client_func=cmd_cancel)
 
     tmpl = csub.add_parser("template", help="register a template (its cache builds on the server)")
     common(tmpl)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 
 from instgenie.config import (
+    DefaultsHelpFormatter,
     LimitsConfig,
     ModelConfig,
     WorkerConfig,
     add_dataclass_args,
     dataclass_from_args,
+    field_help,
 )
 from instgenie.errors import ValidationError
 from instgenie.server.client_cli import add_client_parser
@@ -45,23 +47,28 @@ def add_commands(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="start the API server and one worker per device",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Start the API server and one worker per device. Every flag is a field of "
+        "the config tree (instgenie/config.py, instgenie/server/config.py); its help is the "
+        "field's comment there.",
+        formatter_class=DefaultsHelpFormatter,
     )
-    add_dataclass_args(serve, ModelConfig, skip=("device",))
-    serve.add_argument(
+    model = serve.add_argument_group("model (ModelConfig)")
+    add_dataclass_args(model, ModelConfig, skip=("device",))
+    model.add_argument(
         "--devices",
         default="cpu",
         help="comma-separated torch devices, one worker each: cpu | cuda:0,cuda:1",
     )
-    add_dataclass_args(serve, ServerConfig)
-    add_dataclass_args(serve, WorkerConfig, skip=("max_queue",))
-    serve.add_argument(
+    add_dataclass_args(serve.add_argument_group("server (ServerConfig)"), ServerConfig)
+    worker = serve.add_argument_group("worker, one per device (WorkerConfig)")
+    add_dataclass_args(worker, WorkerConfig, skip=("max_queue",))
+    worker.add_argument(
         "--worker-max-queue",
         type=int,
         default=WorkerConfig.max_queue,
-        help="requests one worker holds at most (its own bound)",
+        help=field_help(WorkerConfig)["max_queue"],
     )
-    add_dataclass_args(serve, LimitsConfig)
+    add_dataclass_args(serve.add_argument_group("input limits (LimitsConfig)"), LimitsConfig)
     serve.set_defaults(func=cmd_serve)
 
     add_client_parser(sub)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from instgenie.errors import TooManyPixelsError, ValidationError
+from instgenie.server.schemas import INVALID_TEXT
 
 if TYPE_CHECKING:  # the worker client imports torch; this module is also used without it
     from instgenie.worker.client import WorkerError
@@ -45,8 +46,8 @@ class ApiError(StarletteHTTPException):
         self.field = field
 
     @classmethod
-    def invalid(cls, field: str, reason: str) -> ApiError:
-        return cls(422, "invalid_request", f"{field}: {reason}", field)
+    def invalid(cls, field: str, reason: str, code: str = "invalid_request") -> ApiError:
+        return cls(422, code, f"{field}: {reason}", field)
 
     @classmethod
     def from_validation(cls, exc: ValidationError) -> ApiError:
@@ -82,6 +83,18 @@ def from_worker(exc: WorkerError, retry_after_s: int) -> ApiError:
     return ApiError(status, exc.code, message, field, retry_after_s if retryable else None)
 
 
+def code_of(error: dict) -> str:
+    """The API error code of one pydantic error: `invalid_text` for a text field that is not
+    valid Unicode (schemas.check_text), else `invalid_request`."""
+    return INVALID_TEXT if error.get("type") == INVALID_TEXT else "invalid_request"
+
+
+def printable(text: str) -> str:
+    """`text` with anything UTF-8 cannot encode (a lone surrogate) as a backslash escape: what a
+    response may carry of a client's text (a field name, an echoed value, a stored prompt)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _openai_type(status: int) -> str:
     if status == 429:
         return "rate_limit_error"
@@ -92,18 +105,20 @@ def error_for_path(path: str, err: ApiError) -> tuple[int, dict, dict[str, str]]
     """(status, JSON body, headers) of `err` answering a request to `path`. OpenAI routes answer
     validation errors with 400, as OpenAI does; native routes with 422."""
     status = err.status_code
+    message = printable(err.message)
+    field = printable(err.field) if err.field is not None else None
     if path.startswith(OPENAI_PREFIX):
         status = 400 if status == 422 else status
         body = {
-            "message": err.message,
+            "message": message,
             "type": _openai_type(status),
-            "param": err.field,
+            "param": field,
             "code": err.code,
         }
     else:
-        body = {"code": err.code, "message": err.message}
-        if err.field is not None:
-            body["field"] = err.field
+        body = {"code": err.code, "message": message}
+        if field is not None:
+            body["field"] = field
     return status, {"error": body}, dict(err.headers or {})
 
 
@@ -143,7 +158,7 @@ def install_handlers(app: FastAPI) -> None:
         message = f"{field}: {first.get('msg', 'invalid')}"
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more)"
-        return error_response(request, ApiError(422, "invalid_request", message, field))
+        return error_response(request, ApiError(422, code_of(first), message, field))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from instgenie.messages import Progress, RegisterTemplate
-from instgenie.server.errors import CANCELLED, CLIENT_DISCONNECTED, ApiError
+from instgenie.server.errors import CANCELLED, CLIENT_DISCONNECTED, ApiError, printable
 from instgenie.server.jobs import Job
 from instgenie.server.runtime import EditSpec, Runtime
 from instgenie.server.schemas import (
@@ -56,6 +56,8 @@ def _rt(request: Request) -> Runtime:
 
 # ---- templates ---------------------------------------------------------------------------------
 def _template_view(rt: Runtime, rec: TemplateRecord) -> dict:
+    """A template as the API shows it. Its texts pass through `printable`: a record stored
+    before its text was validated (or with a worker's message quoting it) still renders."""
     workers, tiers = [], {}
     for index, b in sorted(rec.builds.items()):
         workers.append(
@@ -64,22 +66,22 @@ def _template_view(rt: Runtime, rec: TemplateRecord) -> dict:
                 "status": b.state,
                 "build_ms": b.build_ms,
                 "bytes_by_tier": b.bytes_by_tier,
-                "message": b.message or None,
+                "message": printable(b.message) if b.message else None,
             }
         )
         for tier, n in b.bytes_by_tier.items():
             tiers[tier] = tiers.get(tier, 0) + n
     state = rec.state(rt.pool)
-    failed = [b.message for b in rec.builds.values() if b.state == "failed"]
+    failed = [printable(b.message) for b in rec.builds.values() if b.state == "failed"]
     m = rec.msg
     return {
         "id": rec.template_id,
         "object": "template",
         "status": state,
-        "created": rec.created,
+        "created": int(rec.created),
         "width": rec.width,
         "height": rec.height,
-        "prompt": m.prompt,
+        "prompt": printable(m.prompt),
         "seed": m.seed,
         "num_inference_steps": m.num_inference_steps,
         "guidance_scale": m.guidance_scale,

@@ -14,6 +14,7 @@ import io
 import re
 import secrets
 import time
+import typing
 import warnings
 from typing import Annotated
 
@@ -21,12 +22,13 @@ import numpy as np
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 from PIL import Image, ImageOps
+from pydantic.fields import FieldInfo
 
 from instgenie.config import LimitsConfig
 from instgenie.server.errors import SIBLING_FAILED, ApiError, cancel_code
 from instgenie.server.native import CLIENT_CLOSED, run_unless_disconnected
 from instgenie.server.runtime import Runtime
-from instgenie.server.schemas import OPENAI_ERRORS, ImagesResponse
+from instgenie.server.schemas import OPENAI_ERRORS, ImagesResponse, Text
 
 router = APIRouter(tags=["openai"])
 _SIZE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
@@ -75,7 +77,7 @@ def native_mask(data: bytes, field: str, limits: LimitsConfig, is_mask: bool) ->
 )
 async def images_edits(
     request: Request,
-    prompt: Annotated[str, Form(description="what to draw in the transparent region")],
+    prompt: Annotated[Text, Form(description="what to draw in the transparent region")],
     image: Annotated[
         list[UploadFile] | None, File(description="the image to edit (PNG/JPEG/WebP)")
     ] = None,
@@ -89,23 +91,35 @@ async def images_edits(
             "where to edit"
         ),
     ] = None,
-    model: Annotated[str | None, Form(description="the served model id (GET /v1/models)")] = None,
+    model: Annotated[Text | None, Form(description="the served model id (GET /v1/models)")] = None,
     n: Annotated[int, Form(ge=1, le=10, description="images, each with its own seed")] = 1,
     size: Annotated[
-        str | None, Form(description="WxH to generate at, or auto (output: the image's size)")
+        Text | None, Form(description="WxH to generate at, or auto (output: the image's size)")
     ] = None,
-    response_format: Annotated[str | None, Form(description="b64_json (url is not served)")] = None,
-    output_format: Annotated[str | None, Form(description="png | jpeg | webp")] = None,
-    user: Annotated[str | None, Form(description="end-user id (ignored)")] = None,
+    response_format: Annotated[
+        Text | None, Form(description="b64_json (url is not served)")
+    ] = None,
+    output_format: Annotated[Text | None, Form(description="png | jpeg | webp")] = None,
+    user: Annotated[Text | None, Form(description="end-user id (ignored)")] = None,
     stream: Annotated[bool | None, Form(description="not supported")] = None,
     seed: Annotated[
         int | None, Form(ge=0, le=(1 << 63) - 1, description="seed of the first image")
     ] = None,
-    num_inference_steps: Annotated[int | None, Form(ge=1, le=10_000)] = None,
-    guidance_scale: Annotated[float | None, Form(ge=0, allow_inf_nan=False)] = None,
-    negative_prompt: Annotated[str | None, Form()] = None,
+    num_inference_steps: Annotated[
+        int | None, Form(json_schema_extra={"minimum": 1}, description="1 to --max-steps")
+    ] = None,
+    guidance_scale: Annotated[
+        float | None,
+        Form(json_schema_extra={"minimum": 0}, description="0 to --max-guidance-scale"),
+    ] = None,
+    negative_prompt: Annotated[Text | None, Form()] = None,
+    strength: Annotated[
+        float,
+        Form(gt=0, le=1, allow_inf_nan=False, description="fraction of the schedule, (0, 1]"),
+    ] = 1.0,
 ) -> Response:
     rt: Runtime = request.app.state.runtime
+    await refuse_unknown_fields(request)
     files = (image or []) + (image_list or [])
     if len(files) != 1:
         raise _invalid("image", f"exactly one image is required, got {len(files)}")
@@ -155,6 +169,7 @@ async def images_edits(
             seed=base_seed + i,
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
+            strength=strength,
             output_format=fmt,
             size=out_size,
         )
@@ -182,6 +197,36 @@ async def images_edits(
             "size": f"{first['width']}x{first['height']}",
         }
     )
+
+
+def _form_names(handler) -> frozenset[str]:
+    """The form and file field names a FastAPI handler declares (aliases included)."""
+    names = set()
+    hints = typing.get_type_hints(handler, include_extras=True)
+    for name, hint in hints.items():
+        for meta in getattr(hint, "__metadata__", ()):
+            if isinstance(meta, FieldInfo):
+                names.add(meta.alias or name)
+    return frozenset(names)
+
+
+#: every field POST /v1/images/edits reads; any other is refused, as the native routes refuse
+#: theirs (a field the server would silently ignore, e.g. `template_id`, is a client's mistake)
+IMAGES_EDITS_FIELDS = _form_names(images_edits)
+
+
+async def refuse_unknown_fields(request: Request) -> None:
+    """400 naming the first form field this route does not read."""
+    form = await request.form()  # parsed already, for the declared fields: no second read
+    for key in form.keys():
+        if key not in IMAGES_EDITS_FIELDS:
+            why = "Extra inputs are not permitted"
+            if key == "template_id":
+                why += (
+                    "; this route finds a registered template by the image bytes "
+                    "(POST /v1/edits takes template_id)"
+                )
+            raise _invalid(key, why)
 
 
 async def _all(coros: list) -> list:

@@ -234,7 +234,7 @@ class WorkerPool:
         slot.starts += 1
         slot.stats_at = slot.steps_moved_at = time.monotonic()
         slot.stats = {"ready": 1.0}
-        log.warning(
+        log.info(
             "worker %d (%s, pid %d) ready in %.1f s",
             slot.index,
             slot.device,

@@ -171,13 +171,16 @@ class Runtime:
                 raise ApiError.invalid(
                     name, f"is {len(text)} characters; the limit is {lim.max_prompt_chars}"
                 )
+        # one message per field for every out-of-range value (the schemas only document bounds)
         if steps is not None and not 1 <= steps <= lim.max_steps:
             raise ApiError.invalid(
-                "num_inference_steps", f"must be between 1 and {lim.max_steps}, got {steps}"
+                "num_inference_steps",
+                f"must be an integer between 1 and {lim.max_steps}, got {steps}",
             )
         if guidance is not None and not 0 <= guidance <= lim.max_guidance_scale:
             raise ApiError.invalid(
-                "guidance_scale", f"must be between 0 and {lim.max_guidance_scale}, got {guidance}"
+                "guidance_scale",
+                f"must be a number between 0 and {lim.max_guidance_scale:g}, got {guidance}",
             )
 
     def default_steps(self) -> int | None:
@@ -328,6 +331,11 @@ class Runtime:
                 build = rec.builds.get(outcome.worker) if rec is not None else None
                 tier = fastest_tier(build.bytes_by_tier if build is not None else {})
             self.metrics.cache_hits.labels(tier or "unknown").inc()
+        if d.fallback_reason is not None:  # a slower edit than its template promised
+            log.warning(
+                "edit %s of template %s took the full path: %s",
+                ticket.uid, (spec.template_id or "")[:12], d.fallback_reason,
+            )  # fmt: skip
         self.metrics.edits.labels(d.path, d.cache or "none").inc()
         self.metrics.edit_seconds.observe(outcome.server_total_ms / 1e3)
         return {
@@ -344,6 +352,7 @@ class Runtime:
             "path": d.path,
             "cache": d.cache,
             "cache_tier": tier,
+            "fallback_reason": d.fallback_reason,
             "template_id": spec.template_id,
             "seed": spec.seed,
             "worker": outcome.worker,

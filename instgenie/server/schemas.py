@@ -1,24 +1,63 @@
 """Request and response schemas of the REST API (pydantic; only this package uses pydantic).
 
 Bounds that depend on the configuration (steps, guidance, prompt length, pixels) are checked in
-code against LimitsConfig, with messages naming the field; the static bounds here keep the
+code against LimitsConfig (Runtime.check_params), with one message per field whatever the value;
+their lower bounds are only documented here (json_schema_extra). The static bounds here keep the
 OpenAPI schema honest about types and ranges that never change.
+
+Every free-text field is `Text`: valid Unicode that UTF-8 can encode (no lone surrogate, which a
+JSON body can carry as `"\\ud800"`) and no NUL character, else a 422 `invalid_text` naming the
+field - checked before anything stores, logs or forwards the text.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+INVALID_TEXT = "invalid_text"  # pydantic error type and API error code of a bad text field
+
+
+def check_text(value: object) -> object:
+    """A text field's value, if UTF-8 can encode it and it holds no NUL; PydanticCustomError
+    `invalid_text` otherwise. Non-strings pass through (the field's type check refuses them)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            INVALID_TEXT,
+            "is not valid Unicode text: character {position} is a lone surrogate "
+            "(U+{code}), which UTF-8 cannot encode",
+            {"position": exc.start, "code": f"{ord(value[exc.start]):04X}"},
+        ) from None
+    if "\x00" in value:
+        raise PydanticCustomError(
+            INVALID_TEXT,
+            "contains a NUL character (U+0000) at position {position}",
+            {"position": value.index("\x00")},
+        )
+    return value
+
+
+#: free text from a client (see the module docstring)
+Text = Annotated[str, BeforeValidator(check_text)]
 
 _Seed = Field(0, ge=0, le=(1 << 63) - 1, description="seed of the initial noise")
 _Steps = Field(
     None,
-    ge=1,
-    le=10_000,
-    description="denoise steps; default: the template's, else the server's default",
+    json_schema_extra={"minimum": 1},
+    description="denoise steps, 1 to the server's --max-steps (200 by default); default: the "
+    "template's, else the server's default",
 )
-_Guidance = Field(None, ge=0, allow_inf_nan=False, description="classifier-free guidance scale")
+_Guidance = Field(
+    None,
+    json_schema_extra={"minimum": 0},
+    description="classifier-free guidance scale, 0 to the server's --max-guidance-scale",
+)
 _Strength = Field(1.0, gt=0, le=1, allow_inf_nan=False, description="fraction of the schedule")
 _TemplateId = Field(
     None,
@@ -35,41 +74,41 @@ class _Strict(BaseModel):
 class EditParams(_Strict):
     """Non-file fields of POST /v1/edits (multipart form fields, or JSON members)."""
 
-    template_id: str | None = _TemplateId
-    prompt: str = Field(description="what to draw in the masked region")
-    negative_prompt: str | None = None
+    template_id: Text | None = _TemplateId
+    prompt: Text = Field(description="what to draw in the masked region")
+    negative_prompt: Text | None = None
     seed: int = _Seed
     num_inference_steps: int | None = _Steps
     guidance_scale: float | None = _Guidance
     strength: float = _Strength
     output_format: Literal["png", "jpeg", "webp"] = "png"
     paste_back: bool = Field(True, description="copy the unmasked input pixels into the output")
-    image_url: str | None = _Url
-    mask_url: str | None = _Url
+    image_url: Text | None = _Url
+    mask_url: Text | None = _Url
 
 
 class EditJSON(EditParams):
     """POST /v1/edits as application/json: images as base64 (or data: URLs)."""
 
-    image: str | None = Field(None, description="base64 image (PNG/JPEG/WebP); or template_id")
-    mask: str | None = Field(None, description="base64 mask, white = edit, the image's size")
+    image: Text | None = Field(None, description="base64 image (PNG/JPEG/WebP); or template_id")
+    mask: Text | None = Field(None, description="base64 mask, white = edit, the image's size")
 
 
 class TemplateParams(_Strict):
     """Non-file fields of POST /v1/templates."""
 
-    prompt: str = Field("", description="the template's own prompt or caption")
-    negative_prompt: str | None = None
+    prompt: Text = Field("", description="the template's own prompt or caption")
+    negative_prompt: Text | None = None
     seed: int = _Seed
     num_inference_steps: int | None = _Steps
     guidance_scale: float | None = _Guidance
     strength: float = _Strength
-    image_url: str | None = _Url
+    image_url: Text | None = _Url
 
 
 class TemplateJSON(TemplateParams):
-    image: str = Field(description="base64 template image (PNG/JPEG/WebP)")
-    mask: str | None = Field(None, description="base64 mask of the region edits will change")
+    image: Text = Field(description="base64 template image (PNG/JPEG/WebP)")
+    mask: Text | None = Field(None, description="base64 mask of the region edits will change")
 
 
 def multipart_schema(params: type[BaseModel], files: dict[str, str], required: list[str]) -> dict:
@@ -149,6 +188,9 @@ class EditResponse(BaseModel):
     path: Literal["masked", "full"]
     cache: Literal["hit", "miss"] | None = Field(description="template cache use; null: none")
     cache_tier: str | None = Field(description="fastest tier holding the template on the worker")
+    fallback_reason: str | None = Field(
+        None, description="an edit of a template on the full path: why (e.g. other step count)"
+    )
     template_id: str | None
     seed: int
     worker: int
@@ -164,8 +206,8 @@ class JobResponse(BaseModel):
     id: str
     object: Literal["edit.job"] = "edit.job"
     status: Literal["queued", "running", "done", "failed", "cancelled"]
-    created: float
-    finished: float | None
+    created: int = Field(description="unix seconds")
+    finished: int | None = Field(description="unix seconds; null until finished")
     stage: Literal["preprocess", "encode", "denoise", "decode", "postprocess"] | None = Field(
         None, description="the stage it is in on its worker (null while queued or finished)"
     )
@@ -186,7 +228,7 @@ class TemplateResponse(BaseModel):
     id: str
     object: Literal["template"] = "template"
     status: Literal["building", "ready", "failed"]
-    created: float
+    created: int = Field(description="unix seconds")
     width: int
     height: int
     prompt: str

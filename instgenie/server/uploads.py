@@ -27,7 +27,7 @@ from instgenie.config import LimitsConfig
 from instgenie.engine.imageio import open_header
 from instgenie.errors import ValidationError
 from instgenie.server.config import ServerConfig
-from instgenie.server.errors import ApiError, error_for_path
+from instgenie.server.errors import ApiError, code_of, error_for_path, printable
 
 _EXIF_ORIENTATION = 0x0112
 _SWAPS_AXES = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
@@ -204,6 +204,12 @@ async def parse_body(
             raise ApiError(400, "bad_json", f"body: not valid JSON ({exc})") from None
         if not isinstance(data, dict):
             raise ApiError.invalid("body", "expected a JSON object")
+        for key in data:  # a member name is text too (its value: schemas.Text)
+            if printable(key) != key:
+                raise ApiError.invalid(
+                    printable(key), "is not a valid member name: UTF-8 cannot encode it",
+                    "invalid_text",
+                )  # fmt: skip
         model = validate_model(json_model, data, strict=True)
         blobs = {}
         for name in files:
@@ -241,7 +247,7 @@ def validate_model(model: type[pydantic.BaseModel], data: dict, strict: bool = F
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "body"
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise ApiError.invalid(field, f"{first['msg']}{more}") from None
+        raise ApiError.invalid(field, f"{first['msg']}{more}", code_of(first)) from None
 
 
 def url_refused(field: str) -> ApiError:

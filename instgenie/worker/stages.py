@@ -138,6 +138,6 @@ class Stages:
             uid=state.uid, data=result.data, output_format=result.output_format,
             width=width, height=height, mask_ratio=result.mask_ratio,
             num_steps=result.num_steps, path=result.path, cache=result.cache,
-            cache_tier=result.cache_tier,
+            cache_tier=result.cache_tier, fallback_reason=result.fallback_reason,
             postprocess_ms=1e3 * (time.perf_counter() - t0),
         )  # fmt: skip
