@@ -177,6 +177,8 @@ class ProgressBar:
             text = f"step {k}/{n} [{'#' * filled}{'.' * (self.WIDTH - filled)}]"
         elif event == "queued":
             text = f"queued (position {data.get('position', 0)})"
+        elif event in ("running", "stage") and data.get("stage"):
+            text = f"running: {data['stage']}"  # preprocess, encode, denoise, decode, ...
         elif event in ("running", *TERMINAL):
             text = event
         else:
@@ -228,9 +230,11 @@ def job_outcome(job: dict, out: Path | None, pending: PendingOutput | None) -> i
         print(f"error: job {job['id']} {job['status']}: {err.get('message')}", file=sys.stderr)
         return EXIT_ERROR
     if pending is not None and result is None:
+        done, total = job["progress"]["step"], job["progress"]["num_steps"]
+        where = f"step {done}/{total}" if total else job.get("stage") or "not started"
         print(
-            f"error: job {job['id']} is {job['status']} (step {job['progress']['step']}/"
-            f"{job['progress']['num_steps']}); nothing written (--wait waits for it)",
+            f"error: job {job['id']} is {job['status']} ({where}); nothing written (--wait "
+            "waits for it)",
             file=sys.stderr,
         )
         return EXIT_ERROR
