@@ -83,10 +83,10 @@ def test_timeouts() -> None:
     with ipc.Channel.pull(addr) as rx, ipc.Channel.push(ipc.ipc_address("nobody"), bind=True) as tx:
         t0 = time.monotonic()
         assert rx.recv(0) is None
-        assert time.monotonic() - t0 < 0.05
+        assert time.monotonic() - t0 < 0.5  # does not wait for the 1 s below (load: preemption)
         t0 = time.monotonic()
-        assert rx.recv(100) is None
-        assert 0.09 <= time.monotonic() - t0 < 1.0
+        assert rx.recv(1000) is None
+        assert 0.99 <= time.monotonic() - t0 < 5.0
         assert tx.send(SUBMIT, timeout_ms=50) is False  # no peer to queue for
 
 
