@@ -7,7 +7,9 @@
 Invariants (RELIABILITY.md item 14):
 - Addresses are `ipc://<path>` (not the abstract namespace, which has no permissions), `inproc://`,
   or `tcp://127.x.x.x` / `tcp://[::1]`, for bind and connect alike, unless `allow_remote=True`
-  (ValueError otherwise). `ipc_address(tag)` makes unique paths in a private directory (0700).
+  (ValueError otherwise). `ipc_address(tag)` makes unique paths in a private directory (0700),
+  `<tmp>/instgenie-ipc-<pid>-<random>`, removed when its process exits, however it exits
+  (ipc_dir_prefix says by whom).
 - Every socket sets ZMQ_MAXMSGSIZE (a peer sending more is disconnected by libzmq) and LINGER 0
   (close never blocks; unsent messages are dropped).
 - A received frame that is not exactly one valid message of an accepted type (undecodable bytes,
@@ -29,8 +31,10 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -43,6 +47,8 @@ LOG_EVERY = 100  # log one garbage frame in this many
 _TCP_LOOPBACK = re.compile(r"tcp://(127\.\d{1,3}\.\d{1,3}\.\d{1,3}|\[::1\]):(\*|\d{1,5})")
 _TAG = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _SUN_PATH_MAX = 107  # bytes of a unix socket path (sun_path is 108 with the NUL)
+_DIR_PREFIX = "instgenie-ipc-"
+_DIR_NAME = re.compile(r"instgenie-ipc-(\d+)-[a-z0-9_]+")  # pid, then mkdtemp's random suffix
 _ipc_dir: tuple[int, str] | None = None  # (creating pid, path) of this process's ipc directory
 
 
@@ -69,15 +75,65 @@ def check_address(address: str, *, allow_remote: bool = False) -> str:
 
 
 def ipc_address(tag: str) -> str:
-    """A unique `ipc://` address in this process's private directory (mode 0700, removed at exit).
-    The socket file is removed when the endpoint bound to it closes."""
+    """A unique `ipc://` address in this process's private directory (mode 0700; see
+    ipc_dir_prefix for who removes it). The socket file is removed when the endpoint bound to it
+    closes."""
     global _ipc_dir
     if not _TAG.fullmatch(tag):
         raise ValueError(f"tag must match {_TAG.pattern}, got {tag!r}")
     if _ipc_dir is None or _ipc_dir[0] != os.getpid():
-        _ipc_dir = (os.getpid(), tempfile.mkdtemp(prefix="instgenie-ipc-"))  # 0700 by contract
+        remove_stale_ipc_dirs()
+        pid = os.getpid()
+        _ipc_dir = (pid, tempfile.mkdtemp(prefix=ipc_dir_prefix(pid)))  # 0700 by contract
         atexit.register(_remove_ipc_dir, *_ipc_dir)
     return check_address(f"ipc://{_ipc_dir[1]}/{tag}-{secrets.token_hex(6)}.sock")
+
+
+def ipc_dir_prefix(pid: int) -> str:
+    """Name prefix of the ipc directories of process `pid` (in tempfile.gettempdir()).
+    Who removes a process's directory: the process itself at a normal exit (atexit; a worker
+    supervisor exits normally on SIGTERM, it drains first); its parent once it has exited
+    otherwise (remove_ipc_dirs(pid) after wait(): SIGKILL, a crash); and when the parent died too
+    (its children get the parent-death SIGKILL), the next process of this user that makes an ipc
+    directory (remove_stale_ipc_dirs)."""
+    return f"{_DIR_PREFIX}{pid}-"
+
+
+def remove_ipc_dirs(pid: int) -> None:
+    """Remove the ipc directories of process `pid`, which has exited (call after reaping it)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{ipc_dir_prefix(pid)}*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_ipc_dirs() -> list[str]:
+    """Remove the ipc directories of this user's processes that no longer exist; returns their
+    paths. A pid is read from the name; a live pid (or one of another user, or of a process this
+    kernel does not show: another pid namespace sharing this temp directory) keeps its
+    directory."""
+    removed = []
+    uid = os.getuid()
+    for path in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*"):
+        m = _DIR_NAME.fullmatch(path.name)
+        if m is None or int(m[1]) == os.getpid() or _pid_exists(int(m[1])):
+            continue
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _remove_ipc_dir(pid: int, path: str) -> None:

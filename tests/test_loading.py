@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from diffusers import EulerDiscreteScheduler, PNDMScheduler
 
 from instgenie.engine.family import ModelSpec, load_family
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
+from instgenie.engine.weights import is_owned_layout
 from instgenie.errors import ModelLoadError
 from tests.conftest import make_image, make_mask, png_bytes, tiny_pipeline
 
@@ -32,6 +34,24 @@ def test_save_pretrained_round_trip(family: str, tmp_path, monkeypatch) -> None:
     tiny.family.pipe.save_pretrained(tmp_path)
     loaded = EditPipeline.load(f"{family}:{tmp_path}")
     assert loaded.family.spec.is_local_dir
+    np.testing.assert_array_equal(_run(loaded), _run(tiny))
+
+
+def test_loaded_weights_do_not_read_their_files(tmp_path, monkeypatch) -> None:
+    """Loaded weights are copied out of the safetensors files' memory maps into aligned memory
+    (engine/weights.py): rewriting the files in place after the load changes nothing."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tiny = tiny_pipeline("flux-fill")
+    tiny.family.pipe.save_pretrained(tmp_path)
+    loaded = EditPipeline.load(f"flux-fill:{tmp_path}")
+    tensors = [t for m in loaded.family.pipe.components.values() if isinstance(m, torch.nn.Module)
+               for t in (*m.parameters(), *m.buffers())]  # fmt: skip
+    assert tensors and all(is_owned_layout(t) for t in tensors)
+    files = sorted(tmp_path.rglob("*.safetensors"))
+    assert len(files) == 4  # transformer, VAE, two text encoders
+    for f in files:  # in place (same inode): pages of a private map not yet copied would see it
+        with open(f, "r+b") as fh:
+            fh.write(b"\xff" * f.stat().st_size)
     np.testing.assert_array_equal(_run(loaded), _run(tiny))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +18,7 @@ from PIL import Image
 from instgenie.config import Config, ModelConfig, WorkerConfig
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
-from instgenie.ipc import ClientSocket
+from instgenie.ipc import ClientSocket, ipc_dir_prefix
 from instgenie.messages import (
     EditDone,
     Progress,
@@ -87,6 +88,11 @@ def _shm_segments(sup_pid: int) -> list[str]:
     return sorted(p.name for p in SHM_DIR.glob(f"{shm_base(sup_pid)}-*"))
 
 
+def _ipc_dirs(pid: int) -> list[str]:
+    """The ipc directories of process `pid` that exist (instgenie.ipc.ipc_dir_prefix)."""
+    return sorted(p.name for p in Path(tempfile.gettempdir()).glob(f"{ipc_dir_prefix(pid)}*"))
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
@@ -97,7 +103,8 @@ def _alive(pid: int) -> bool:
 
 @contextmanager
 def _worker(config: Config, faults: str = ""):
-    """A worker with its processes; on exit: closed, and no process or shm segment left."""
+    """A worker with its processes; on exit: closed, and no process, shm segment or ipc
+    directory left."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("INSTGENIE_FAULTS", faults)
         handle = start_worker(config, timeout=240)
@@ -109,6 +116,7 @@ def _worker(config: Config, faults: str = ""):
     finally:
         rc = handle.close(drain=False, timeout=30)
     assert rc == 0
+    assert _ipc_dirs(handle.pid) == [], "the supervisor left its ipc directory"  # (own atexit)
     deadline = time.monotonic() + 10
     while any(map(_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)

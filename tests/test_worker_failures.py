@@ -23,11 +23,22 @@ from tests.test_worker import (
     _alive,
     _config,
     _fields,
+    _ipc_dirs,
     _shm_segments,
     _wait_progress,
     _wait_stat,
     _worker,
 )
+
+# Watchdog limits for these tests. A loaded 2-core machine (4 processes of the worker, other test
+# runs, TRITON_INTERPRET kernels) was measured here: tiny SD2 steps of ~0.1 s took up to 8.4 s
+# when a batch composition was new and 3.5 s at random (preemption); heartbeats (a thread, every
+# 0.2 s) are late by far less. Limits stay below a few tens of seconds so the tests stay short;
+# every deadline that a test waits *for* is a limit plus DETECT_S.
+HEARTBEAT_S = 6.0  # heartbeat_timeout_s
+STALL_S = 15.0  # stall_timeout_s: > the slowest step seen under load, with margin
+STAGE_S = 25.0  # stage_timeout_s: STALL_S + 10 s for phase 1 of the long-encode test (+1 s)
+DETECT_S = 20.0  # a limit passed -> the client hears it (watchdog tick, kill, reply), at most
 
 
 def _expect_worker_died(handles: list[EditHandle], within_s: float) -> None:
@@ -47,8 +58,8 @@ def _recovered(handle, old_loop_pid: int) -> int:
 
 
 def test_loop_death_fails_in_flight_and_recovers() -> None:
-    # limits with room for a loaded CI machine (a fresh loop's first steps: ~3 s there)
-    with _worker(_config(heartbeat_timeout_s=4.0, stall_timeout_s=8.0), FAULTS) as (h, pids):
+    cfg = _config(heartbeat_timeout_s=HEARTBEAT_S, stall_timeout_s=STALL_S)
+    with _worker(cfg, FAULTS) as (h, pids):
         c = h.client
         tid = "ef" * 32
         image = png_bytes(make_image(SIZE, SIZE))
@@ -63,9 +74,9 @@ def test_loop_death_fails_in_flight_and_recovers() -> None:
         _wait_progress(running[0], 2)
         _wait_stat(c, "in_loop", 3)  # all three are held by the loop process
         os.kill(loop, signal.SIGKILL)
-        _expect_worker_died(running, within_s=5)
+        _expect_worker_died(running, within_s=DETECT_S)
         pids.add(loop)
-        _expect_worker_died([waiting], within_s=5)
+        _expect_worker_died([waiting], within_s=DETECT_S)
         loop = _recovered(h, loop)
         assert _shm_segments(h.pid) == []
         # the template cache died with the loop; it is rebuilt and edits go masked again
@@ -76,8 +87,8 @@ def test_loop_death_fails_in_flight_and_recovers() -> None:
         # 2. a loop stuck inside a step (heartbeats go on): the stall watchdog fires
         t0 = time.monotonic()
         stuck = [c.edit(**_fields("st", 5, prompt="FAULT-STALL")), c.edit(**_fields("mate", 40))]
-        _expect_worker_died(stuck, within_s=8.0 + 10)
-        assert time.monotonic() - t0 >= 8.0  # not before the stall timeout
+        _expect_worker_died(stuck, within_s=STALL_S + DETECT_S)
+        assert time.monotonic() - t0 >= STALL_S  # not before the stall timeout
         pids.add(loop)
         loop = _recovered(h, loop)
 
@@ -85,7 +96,7 @@ def test_loop_death_fails_in_flight_and_recovers() -> None:
         frozen = c.edit(**_fields("fz", 40))
         _wait_progress(frozen, 1)
         os.kill(loop, signal.SIGSTOP)
-        _expect_worker_died([frozen], within_s=4.0 + 10)
+        _expect_worker_died([frozen], within_s=HEARTBEAT_S + DETECT_S)
         pids.add(loop)
         loop = _recovered(h, loop)
         stats = c.stats()
@@ -93,14 +104,30 @@ def test_loop_death_fails_in_flight_and_recovers() -> None:
         assert stats["restarts_pre_0"] == stats["restarts_post_0"] == 0
 
 
+def _encode_started(client, loop: int) -> float:
+    """Wait until the loop (pid `loop`, not restarted) reports a model stage call in progress;
+    returns how long it had been running then, seconds ("loop_busy_s", the heartbeat's view)."""
+    deadline = time.monotonic() + STEP_DEADLINE_S  # the request still goes through pre first
+    while True:
+        stats = client.stats()
+        assert stats["pid_loop_0"] == loop and stats.get("restarts_loop_0", 0) == 0, stats
+        if stats["loop_busy_s"] > 0:
+            return stats["loop_busy_s"]
+        assert time.monotonic() < deadline, f"the held encode never started: {stats}"
+        time.sleep(0.05)
+
+
 def test_long_encode_is_busy_not_stalled_until_the_stage_limit(tmp_path: Path) -> None:
     """A model stage call of the loop (here a held encode) longer than stall_timeout_s, while
     the loop holds a running request, is progress ("loop_busy_s" > 0), not a stall — until
-    stage_timeout_s, past which the loop is stuck: killed, its requests fail fast."""
+    stage_timeout_s, past which the loop is stuck: killed, its requests fail fast.
+    Timing on a loaded 2-core machine: every window starts when the loop *reports* the encode
+    (its heartbeat), not when the request is sent (pre-processing first can take seconds), and
+    the stage limit leaves STAGE_S - STALL_S for the first window and late heartbeats."""
     gate = tmp_path / "gate"
     gate.touch()
-    # stall limit 4 s, stage limit 12 s: a loaded CI machine can delay one heartbeat by ~2 s
-    cfg = _config(stall_timeout_s=4.0, stage_timeout_s=12.0)
+    stall_s, stage_s = STALL_S, STAGE_S
+    cfg = _config(stall_timeout_s=stall_s, stage_timeout_s=stage_s)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("INSTGENIE_FAULT_GATE", str(gate))
         ctx = _worker(cfg, FAULTS + ",slowenc=FAULT-SLOWENC")
@@ -108,27 +135,37 @@ def test_long_encode_is_busy_not_stalled_until_the_stage_limit(tmp_path: Path) -
     try:
         c = h.client
         loop = int(c.stats()["pid_loop_0"])
-        # 1. held 7 s (> stall 4 s, < stage 12 s) behind a running request: nothing restarts
+        # 1. held past the stall limit (< the stage limit) behind a running request: nothing
+        # restarts, the stats show it busy for longer than the stall limit
         running = c.edit(**_fields("busy-a", 200, seed=1))
         _wait_progress(running, 2)
         slow = c.edit(**_fields("busy-b", 2, seed=2, prompt="FAULT-SLOWENC"))
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 7.0:
-            stats = c.stats()
-            assert stats["pid_loop_0"] == loop and stats.get("restarts_loop_0", 0) == 0
+        _encode_started(c, loop)
+        deadline = time.monotonic() + stage_s  # past it the loop would be killed: a failure
+        while (stats := c.stats())["loop_busy_s"] <= stall_s + 1.0:
+            assert stats["pid_loop_0"] == loop and stats.get("restarts_loop_0", 0) == 0, stats
+            assert stats["loop_busy_s"] > 0, f"the encode stopped being busy: {stats}"
+            assert time.monotonic() < deadline, f"busy time stuck: {stats}"
             time.sleep(0.2)
-        assert stats["loop_busy_s"] > 4.0  # the encode, not a stalled step
+        assert stats["pid_loop_0"] == loop and stats.get("restarts_loop_0", 0) == 0, stats
+        assert not running.future.done() and not slow.future.done()
         gate.unlink()
         assert slow.result(STEP_DEADLINE_S).num_steps == 2
         c.cancel("busy-a")
         with pytest.raises(WorkerError):
-            running.result(10)
+            running.result(STEP_DEADLINE_S)
         _wait_stat(c, "loop_busy_s", 0.0)
         _wait_stat(c, "batch_size_last", 0.0)  # the loop holds nothing: it is not "stalled"
-        # 2. held past the stage limit: the loop is stuck, killed, and its requests fail
+        # 2. held past the stage limit: the loop is stuck, killed, and its requests fail — not
+        # before the encode has run stage_s (measured from the first report of it)
         gate.touch()
         held = c.edit(**_fields("busy-c", 2, seed=3, prompt="FAULT-SLOWENC"))
-        _expect_worker_died([held], within_s=12.0 + 10)
+        busy0 = _encode_started(c, loop)
+        t0 = time.monotonic()
+        _expect_worker_died([held], within_s=stage_s + DETECT_S)
+        # not before the stage limit (busy0 is as old as the last heartbeat: allow stall_s for
+        # that; a kill by the stall watchdog would come stage_s - stall_s earlier still)
+        assert time.monotonic() - t0 + busy0 >= stage_s - stall_s
         pids.add(loop)
         gate.unlink()
         _recovered(h, loop)
@@ -156,9 +193,10 @@ def test_supervisor_death_takes_children_and_fails_clients() -> None:
         assert not [p for p in children if _alive(p)]  # PR_SET_PDEATHSIG
         assert _shm_segments(handle.pid) == []  # the handle cleaned up after it
         sock = Path(handle.address.removeprefix("ipc://"))  # and removed its socket file
-        while sock.exists() and time.monotonic() < deadline:
+        while (sock.exists() or _ipc_dirs(handle.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not sock.exists()
+        assert _ipc_dirs(handle.pid) == []  # the killed supervisor's, removed by the handle
     finally:
         handle.close(drain=False)
 

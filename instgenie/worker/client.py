@@ -34,7 +34,7 @@ import zmq
 import instgenie
 from instgenie.config import Config, to_dict
 from instgenie.errors import EXIT_MODEL_LOAD, InstGenIEError
-from instgenie.ipc import ClientSocket, ipc_address
+from instgenie.ipc import ClientSocket, ipc_address, remove_ipc_dirs
 from instgenie.messages import (
     Accepted,
     Cancel,
@@ -372,6 +372,7 @@ class WorkerHandle:
         from instgenie.tensorshm import cleanup  # (torch: not at import time of the API process)
 
         cleanup(shm_base(self.proc.pid))  # segments of children it could not clean up itself
+        remove_ipc_dirs(self.proc.pid)  # its ipc directory, if it could not remove it (killed)
         if self._own_socket is not None:
             self._own_socket.unlink(missing_ok=True)
         self.client.fail_all("worker_died", f"the worker supervisor exited with status {rc}")

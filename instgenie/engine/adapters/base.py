@@ -25,6 +25,7 @@ from instgenie.engine.fused_geglu import fuse_geglu
 from instgenie.engine.fused_norms import fuse_group_norms
 from instgenie.engine.masked.executor import MaskedExecutor
 from instgenie.engine.prompt_cache import PromptCache
+from instgenie.engine.weights import own_cpu_weights
 from instgenie.errors import ModelLoadError, ValidationError
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,11 @@ class AdapterBase:
                 "replacing %s by %s", type(pipe.scheduler).__name__, cls.scheduler_cls.__name__
             )
             pipe.scheduler = cls.scheduler_cls.from_config(pipe.scheduler.config)
-        return pipe.to(device)
+        pipe = pipe.to(device)
+        for comp in pipe.components.values():
+            if isinstance(comp, torch.nn.Module):  # CPU weights out of the files' maps
+                own_cpu_weights(comp)
+        return pipe
 
     @classmethod
     def _check_pipeline(cls, pipe: DiffusionPipeline) -> None:
