@@ -25,11 +25,15 @@ from tests.conftest import make_image, make_mask, png_bytes
 
 
 class _Runtime:
-    """What a Loop uses of its ChildRuntime: the config, an outbox, activity marks."""
+    """What a Loop uses of its ChildRuntime: the config, an empty inbox, an outbox, activity
+    marks."""
 
     def __init__(self, cfg: Config) -> None:
         self.wcfg, self.sent = cfg.worker, []
         self.shm_prefix = process_prefix("igtsc")  # Finished packs its image here
+
+    def recv(self, timeout_ms: int | None):  # noqa: ANN201 - no messages in these tests
+        return None
 
     def doing(self, what: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
