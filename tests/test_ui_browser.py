@@ -78,6 +78,18 @@ class Watch:
         assert not refused, f"page errors: {refused}"
 
 
+def _wait(page, js: str) -> None:
+    """Wait until `js` (an expression) holds; on timeout, fail with what the page shows."""
+    try:
+        page.wait_for_function(f"() => {js}")
+    except Exception as e:
+        shown = page.evaluate(
+            """() => ['job-status', 'job-log', 'e-form-error', 'e-mask-error', 't-form-error']
+                 .map(id => id + ': ' + document.getElementById(id).textContent).join('\\n')"""
+        )
+        raise AssertionError(f"never {js}:\n{shown}") from e
+
+
 def _ratio(page) -> float:
     return float(page.locator("#mask-ratio").inner_text().rstrip("%"))
 
@@ -139,14 +151,10 @@ def test_editor_flow(request, browser, tmp_path: Path) -> None:
         try:
             page.fill("#e-prompt", "HOLD")
             page.click("#e-submit")
-            page.wait_for_function(
-                "() => /Running|Step/.test(document.getElementById('job-status').textContent)"
-            )
+            _wait(page, "/Running|Step/.test(document.getElementById('job-status').textContent)")
             assert page.locator("#e-submit").is_disabled()
             page.click("#e-cancel")
-            page.wait_for_function(
-                "() => document.getElementById('job-status').textContent === 'Cancelled.'"
-            )
+            _wait(page, "document.getElementById('job-status').textContent === 'Cancelled.'")
         finally:
             srv.gate.unlink(missing_ok=True)
         assert page.locator("#e-submit").is_enabled()
@@ -158,7 +166,7 @@ def test_editor_flow(request, browser, tmp_path: Path) -> None:
         page.fill("#e-seed", "7")
         page.focus("#e-prompt")
         page.keyboard.press("Enter")
-        page.wait_for_function("() => document.getElementById('job-status').textContent === 'Done.'")
+        _wait(page, "document.getElementById('job-status').textContent === 'Done.'")
         log = page.locator("#job-log").inner_text()
         assert re.search(r"queued.*step 1/2.*step 2/2.*done", log), log
         assert page.locator("#progress").evaluate("p => [p.value, p.max]") == [2, 2]
@@ -198,7 +206,7 @@ def test_editor_flow(request, browser, tmp_path: Path) -> None:
         # 7. accessibility: axe-core finds no serious or critical violation
         violations = page.evaluate(
             """async () => (await axe.run(document, {resultTypes: ['violations']})).violations
-                 .map(v => ({id: v.id, impact: v.impact, nodes: v.nodes.length}))"""
+                 .map(v => ({id: v.id, impact: v.impact, nodes: v.nodes.map(n => n.target.join(" "))}))"""
         )
         bad = [v for v in violations if v["impact"] in ("serious", "critical")]
         assert not bad, bad

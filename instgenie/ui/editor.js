@@ -520,9 +520,10 @@ function follow(id, format) {
 async function cancelJob() {
   const job = state.job;
   if (!job) return;
+  // the job's "cancelled" event may arrive before this answer does: say it first
+  $("job-status").textContent = "Cancelling…";
   try {
     await api("DELETE", `v1/jobs/${encodeURIComponent(job.id)}`);
-    $("job-status").textContent = "Cancelling…";
   } catch (err) {
     showError("e", err);
   }
@@ -597,7 +598,6 @@ function renderHistory() {
     img.alt = "";
     const r = entry.result;
     b.append(img, `seed ${r.seed} · ${r.path} · ${r.num_steps} steps`);
-    b.setAttribute("aria-label", `Show edit ${r.id} (seed ${r.seed}, ${r.path})`);
     b.addEventListener("click", () => display(entry));
     li.append(b);
     ol.append(li);
