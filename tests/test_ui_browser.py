@@ -127,7 +127,8 @@ def test_editor_flow(request, browser, tmp_path: Path) -> None:
         page.click("#t-submit")
         ready = page.locator("#gallery li[data-status=ready]")
         ready.first.wait_for()
-        assert "2 steps" in ready.first.inner_text() and f"{SIZE}×{SIZE}" in ready.first.inner_text()
+        row = ready.first.inner_text()
+        assert "2 steps" in row and f"{SIZE}×{SIZE}" in row, row
         assert page.locator("#mask-canvas").evaluate("c => [c.width, c.height]") == [SIZE, SIZE]
 
         # 2. paint: brush stroke, undo, rectangle, invert twice; the ratio follows live
@@ -206,7 +207,8 @@ def test_editor_flow(request, browser, tmp_path: Path) -> None:
         # 7. accessibility: axe-core finds no serious or critical violation
         violations = page.evaluate(
             """async () => (await axe.run(document, {resultTypes: ['violations']})).violations
-                 .map(v => ({id: v.id, impact: v.impact, nodes: v.nodes.map(n => n.target.join(" "))}))"""
+                 .map(v => ({id: v.id, impact: v.impact,
+                             nodes: v.nodes.map(n => n.target.join(" "))}))"""
         )
         bad = [v for v in violations if v["impact"] in ("serious", "critical")]
         assert not bad, bad
@@ -248,8 +250,6 @@ def test_editor_phone_width_touch(request, browser) -> None:
 
 def test_no_ui_flag() -> None:
     """`--no-ui` comes from ServerConfig.ui; without it `/` is the editor with its CSP."""
-    from instgenie.server.commands import add_commands  # noqa: F401 (the serve flags' source)
-
     from instgenie.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--model", "sd2-inpaint:tiny", "--no-ui"])
