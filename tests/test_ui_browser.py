@@ -191,7 +191,17 @@ def test_editor_flow(request, browser, tmp_path: Path) -> None:
         if target:
             shutil.copyfile(shot, ROOT / target)
 
-        # 6. a wrong-size uploaded mask: the API's field error beside the mask; nothing lost
+        # 6. a worker failure (an injected fault in post-processing): the message is shown,
+        # the form keeps its values and takes the next edit
+        page.fill("#e-prompt", "FAULT-POST")
+        page.click("#e-submit")
+        _wait(page, "document.getElementById('job-status').textContent === 'Failed.'")
+        assert page.locator("#e-form-error").inner_text().strip(), "no failure message"
+        assert page.input_value("#e-prompt") == "FAULT-POST"
+        assert page.locator("#e-submit").is_enabled()
+        page.fill("#e-prompt", "a red square")
+
+        # 7. a wrong-size uploaded mask: the API's field error beside the mask; nothing lost
         small = tmp_path / "small-mask.png"
         small.write_bytes(png_bytes(Image.new("L", (32, 32), 255)))
         page.set_input_files("#mask-file", str(small))
@@ -204,7 +214,7 @@ def test_editor_flow(request, browser, tmp_path: Path) -> None:
         assert page.input_value("#e-seed") == "7"
         assert page.locator("#e-submit").is_enabled()
 
-        # 7. accessibility: axe-core finds no serious or critical violation
+        # 8. accessibility: axe-core finds no serious or critical violation
         violations = page.evaluate(
             """async () => (await axe.run(document, {resultTypes: ['violations']})).violations
                  .map(v => ({id: v.id, impact: v.impact,
