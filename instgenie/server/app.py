@@ -17,6 +17,7 @@ from instgenie.server import native, openai_compat, ops
 from instgenie.server.errors import ApiError, error_for_path, install_handlers
 from instgenie.server.metrics import Metrics
 from instgenie.server.runtime import Runtime
+from instgenie.server.ui import mount_ui
 from instgenie.server.uploads import BodyLimitMiddleware
 
 DESCRIPTION = """Mask-based image editing with template activation caching.
@@ -50,6 +51,8 @@ def create_app(runtime: Runtime) -> FastAPI:
     app.include_router(openai_compat.router)
     app.include_router(ops.router)
     cfg = runtime.cfg
+    if cfg.ui:
+        mount_ui(app)
     app.add_middleware(
         BodyLimitMiddleware, max_body_bytes=cfg.max_body_bytes, max_parts=cfg.max_parts
     )

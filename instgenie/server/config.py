@@ -17,6 +17,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     #: TCP port; 0 = any free port (printed on the "serving on" line)
     port: int = 8000
+    #: serve the web editor (instgenie/ui: paint a mask, run an edit, compare) at `/`; --no-ui
+    #: serves the API alone
+    ui: bool = True
     #: largest request body, bytes (uploads included), checked before parsing: 413
     max_body_bytes: int = 64 << 20
     #: most parts in one multipart body, counted as bytes arrive: 413
