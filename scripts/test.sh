@@ -14,4 +14,4 @@ else
   bash scripts/setup.sh --dev
 fi
 export TRITON_INTERPRET=1  # Triton kernels run in the interpreter on CPU
-exec "$venv/bin/python" -m pytest -q "$@"
+exec "$venv/bin/python" -m pytest -q --durations=15 "$@"  # the slowest tests, for CI time
