@@ -9,6 +9,7 @@ to (re)write the README's screenshot.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import re
@@ -125,9 +126,11 @@ def test_editor_flow(request, browser, tmp_path: Path) -> None:
         page.fill("#t-prompt", "a test scene")
         page.fill("#t-steps", "2")
         page.click("#t-submit")
-        ready = page.locator("#gallery li[data-status=ready]")
-        ready.first.wait_for()
-        row = ready.first.inner_text()
+        # its own row: the shared server holds other tests' templates too
+        tid = hashlib.sha256(image.read_bytes()).hexdigest()
+        ready = page.locator(f"#gallery li[data-id='{tid}'][data-status=ready]")
+        ready.wait_for()
+        row = ready.inner_text()
         assert "2 steps" in row and f"{SIZE}×{SIZE}" in row, row
         assert page.locator("#mask-canvas").evaluate("c => [c.width, c.height]") == [SIZE, SIZE]
 
