@@ -275,3 +275,28 @@ def test_a_queued_request_moves_when_a_worker_turns_healthy() -> None:
         assert queued.waiter.done() and queued.waiter.result() is w0
 
     asyncio.run(scenario())
+
+
+def test_queued_requests_are_told_their_place_as_the_queue_moves() -> None:
+    """One slot, held by A; B, C and D queue. Each move of the queue (A answered, C's client
+    gone) tells the ones still queued how many are ahead of them."""
+
+    async def main() -> None:
+        d, slot, client = _dispatcher(slots=1, timeout_s=30)
+        a = d.admit(ROUTE)
+        queued = [d.admit(ROUTE) for _ in range(3)]
+        told: dict[str, list[int]] = {t.uid: [] for t in queued}
+        for t in queued:
+            t.on_position = told[t.uid].append
+        b, c, e = queued
+        run_a = asyncio.ensure_future(d.run(a, FIELDS))
+        await asyncio.sleep(0)
+        client.submitted[a.uid].set_result(_done(a.uid))  # A answered: B takes the slot
+        await run_a
+        await asyncio.sleep(0.01)
+        assert b.slot is slot and list(d.waiting) == [c, e]
+        assert told == {b.uid: [], c.uid: [0], e.uid: [1]}
+        d.release(c)  # C's client left while queued
+        assert list(d.waiting) == [e] and told[e.uid] == [1, 0]
+
+    asyncio.run(main())

@@ -46,6 +46,8 @@ class Ticket:
     slot: WorkerSlot | None = None  # set once a slot is reserved
     waiter: asyncio.Future | None = None  # resolved with the slot while queued
     dispatched_at: float = 0.0  # monotonic: sent to the worker
+    #: while queued: told its new place (requests ahead of it) each time the queue moves
+    on_position: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -128,18 +130,29 @@ class Dispatcher:
         ticket.slot = slot
 
     def pump(self) -> None:
-        """Hand freed slots to queued requests, in arrival order."""
+        """Hand freed slots to queued requests, in arrival order; the ones still queued are
+        told their new place."""
+        moved = False
         while self.waiting:
             ticket = self.waiting[0]
             if ticket.waiter is None or ticket.waiter.done():  # its client went away
                 self.waiting.popleft()
+                moved = True
                 continue
             slot = self._route(ticket.route)
             if slot is None:
-                return
+                break
             self.waiting.popleft()
+            moved = True
             self._reserve(ticket, slot)
             ticket.waiter.set_result(slot)
+        if moved:
+            self._tell_positions()
+
+    def _tell_positions(self) -> None:
+        for ahead, ticket in enumerate(self.waiting):
+            if ticket.on_position is not None:
+                ticket.on_position(ahead)
 
     # ---- running --------------------------------------------------------------------------------
     async def run(
@@ -248,6 +261,7 @@ class Dispatcher:
                 self._release(waiter.result(), ticket.uid)
         elif ticket in self.waiting:
             self.waiting.remove(ticket)
+            self._tell_positions()
 
     # ---- failures and shutdown ------------------------------------------------------------------
     def worker_down(self, slot: WorkerSlot, reason: str) -> None:

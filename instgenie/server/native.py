@@ -254,6 +254,8 @@ async def create_edit(
             raise
         ahead = rt.dispatcher.waiting.index(ticket) if ticket.waiter is not None else 0
         job.push("queued", {"position": ahead})
+        if ticket.waiter is not None:  # each move of the server queue: a new "queued" event
+            ticket.on_position = lambda ahead: job.push("queued", {"position": ahead})
         job.task = asyncio.create_task(_run_job(rt, job, ticket, spec))
         await rt.jobs.save(job)  # stored (queued) before the answer
         return JSONResponse(job.view(), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
