@@ -47,8 +47,21 @@ LOG_EVERY = 100  # log one garbage frame in this many
 _TCP_LOOPBACK = re.compile(r"tcp://(127\.\d{1,3}\.\d{1,3}\.\d{1,3}|\[::1\]):(\*|\d{1,5})")
 _TAG = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _SUN_PATH_MAX = 107  # bytes of a unix socket path (sun_path is 108 with the NUL)
-_DIR_PREFIX = "instgenie-ipc-"
-_DIR_NAME = re.compile(r"instgenie-ipc-(\d+)-[a-z0-9_]+")  # pid, then mkdtemp's random suffix
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace (the inode of /proc/self/ns/pid): a pid means a process only
+    within it; "0" where the kernel does not say."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+#: directories are named <prefix><pid namespace>-<pid>-<mkdtemp's random suffix>: a process of
+#: another namespace sharing the temp directory (a container) is never taken for a dead one
+_DIR_PREFIX = f"instgenie-ipc-{_pid_namespace()}-"
+_DIR_NAME = re.compile(re.escape(_DIR_PREFIX) + r"(\d+)-[a-z0-9_]+")
 _ipc_dir: tuple[int, str] | None = None  # (creating pid, path) of this process's ipc directory
 
 
@@ -107,9 +120,8 @@ def remove_ipc_dirs(pid: int) -> None:
 
 def remove_stale_ipc_dirs() -> list[str]:
     """Remove the ipc directories of this user's processes that no longer exist; returns their
-    paths. A pid is read from the name; a live pid (or one of another user, or of a process this
-    kernel does not show: another pid namespace sharing this temp directory) keeps its
-    directory."""
+    paths. Only directories of this pid namespace are looked at; their pid is read from the
+    name, and a live pid (or one of another user) keeps its directory."""
     removed = []
     uid = os.getuid()
     for path in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*"):

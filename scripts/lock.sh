@@ -42,6 +42,10 @@ compile --extra dev --constraints "$scratch/torch.txt" "${skip[@]}" -q \
   -o requirements/lock-dev.txt "$@"
 # runtime: the dev lock's versions (its pins as constraints, torch's included)
 compile --constraints "$scratch/all.txt" "${skip[@]}" -q -o requirements/lock.txt
+# annotations name what the constraints are, not the scratch path (a rerun changes no line)
+sed -i -e "s|-c $scratch/all.txt|-c requirements/lock-dev.txt|" \
+  -e "s|-c $scratch/torch.txt|-c requirements/torch-cpu.txt|" requirements/lock-dev.txt \
+  requirements/lock.txt
 for f in requirements/lock-dev.txt requirements/lock.txt; do
   echo "$f: $(grep -cE '^[a-z0-9]' "$f") packages pinned"
 done

@@ -37,7 +37,8 @@ if ! $py -c "import torch" 2>/dev/null; then
   if [[ -n "${INSTGENIE_TORCH_SPEC:-}" ]]; then
     read -ra spec <<<"$INSTGENIE_TORCH_SPEC"
   elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    spec=(torch)
+    # the CPU machines' torch version (the lock is resolved against it), as a CUDA build
+    spec=("$(grep -E '^torch==' requirements/torch-cpu.txt | cut -d' ' -f1)")
   else
     spec=(-r requirements/torch-cpu.txt)
   fi

@@ -237,6 +237,7 @@ def test_worker_command_names_the_bad_field(capsys) -> None:
         (["--policy", "nope"], "policy: unknown batching policy 'nope'"),
         (["--worker-start-timeout-s", "0"], "worker_start_timeout_s: must be > 0"),
         (["--drain-timeout-s", "-1"], "drain_timeout_s: must be >= 0"),
+        (["--max-request-cost", "nan"], "max_request_cost: must be >= 0"),  # nan: no limit
         (["--job-ttl-s", "0"], "job_ttl_s: must be > 0"),
     ):
         assert main(["serve", *args]) == EXIT_INVALID_INPUT, args

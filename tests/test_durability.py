@@ -62,6 +62,23 @@ def test_state_db_is_versioned_wal_and_reopens_with_its_rows(tmp_path: Path) -> 
     raw.close()
 
 
+def test_a_failed_commit_leaves_no_transaction_open(tmp_path: Path) -> None:
+    """A COMMIT that fails (here a deferred foreign key; in service a full disk) raises the typed
+    error and ends its transaction: the next write begins and commits."""
+    with StateDB(tmp_path / "s.sqlite3") as db:
+        db._conn.execute("PRAGMA foreign_keys = ON")
+        with db._txn() as c:
+            c.execute("CREATE TABLE p (id INTEGER PRIMARY KEY)")
+            c.execute(
+                "CREATE TABLE ch (pid INTEGER REFERENCES p (id) DEFERRABLE INITIALLY DEFERRED)"
+            )
+        with pytest.raises(StateDBError, match="FOREIGN KEY"), db._txn() as c:
+            c.execute("INSERT INTO ch VALUES (5)")  # accepted now, refused at COMMIT
+        assert not db._conn.in_transaction
+        db.put_job(StoredJob("job_1", "done", 10.0, 12.5, 2, 2, None, None))
+        assert [j.id for j in db.load_jobs()] == ["job_1"]
+
+
 def test_state_db_refuses_a_newer_schema_a_non_database_and_a_second_server(
     tmp_path: Path,
 ) -> None:

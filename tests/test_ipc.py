@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -283,3 +285,20 @@ def test_the_ipc_dir_of_a_killed_process_is_removed_by_its_parent_or_later() -> 
         live.communicate(timeout=30)
     assert live.returncode == 0
     assert not live_dir.exists()
+
+
+def test_ipc_dirs_of_another_pid_namespace_are_never_taken_for_stale() -> None:
+    """A container sharing the temp directory names its directories with its own pid namespace:
+    a pid that looks dead here may be alive there, so its directory stays."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.communicate(timeout=30)  # a pid that no process of this namespace has now
+    here = Path(tempfile.mkdtemp(prefix=ipc.ipc_dir_prefix(proc.pid)))
+    other_ns = ipc.ipc_dir_prefix(proc.pid).replace(ipc._pid_namespace(), "1", 1)
+    there = Path(tempfile.mkdtemp(prefix=other_ns))
+    try:
+        removed = ipc.remove_stale_ipc_dirs()
+        assert str(here) in removed and not here.exists()
+        assert there.is_dir() and str(there) not in removed
+    finally:
+        shutil.rmtree(there, ignore_errors=True)
+        shutil.rmtree(here, ignore_errors=True)

@@ -276,5 +276,8 @@ def test_no_ui_flag() -> None:
             assert page.headers["content-security-policy"] == CSP
             js = client.get("/ui/editor.js")
             assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+            assert js.headers["cache-control"] == "no-cache"  # never an old module, new page
+            assert js.headers["x-content-type-options"] == "nosniff"
+            assert client.get("/ui/index.html").headers["content-security-policy"] == CSP
         else:
             assert page.status_code == 404 and client.get("/ui/editor.js").status_code == 404

@@ -33,6 +33,7 @@ import secrets
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from importlib import resources
 from pathlib import Path
@@ -140,7 +141,7 @@ def wait_ready(server: str, wait_s: float) -> None:
 def job_events(base: str, job_id: str, timeout: float = 60.0):
     """(event, data) of a job's Server-Sent Events until its terminal one; `timeout`: the most
     seconds between two lines (the server sends a keep-alive every 15 s)."""
-    req = urllib.request.Request(f"{base}/v1/jobs/{job_id}/events")
+    req = urllib.request.Request(f"{base}/v1/jobs/{_q(job_id)}/events")
     try:
         resp = urllib.request.urlopen(req, timeout=timeout)
     except urllib.error.HTTPError as exc:
@@ -158,6 +159,11 @@ def job_events(base: str, job_id: str, timeout: float = 60.0):
                 if event in TERMINAL:
                     return
                 event, data = None, []
+
+
+def _q(job_id: str) -> str:
+    """A job id as one URL path segment (an id with '/' or '..' never reaches another route)."""
+    return urllib.parse.quote(job_id, safe="")
 
 
 class ProgressBar:
@@ -201,7 +207,7 @@ def follow(base: str, job_id: str) -> dict:
             bar.show(event, data)
     finally:
         bar.close()
-    return call("GET", f"{base}/v1/jobs/{job_id}")
+    return call("GET", f"{base}/v1/jobs/{_q(job_id)}")
 
 
 def save_image(result: dict, pending: PendingOutput) -> dict:
@@ -265,7 +271,7 @@ def cmd_edit(args: argparse.Namespace) -> int:
                 job = follow(base, job["id"])
             except KeyboardInterrupt:  # the job would run on without anyone to collect it
                 try:
-                    call("DELETE", f"{base}/v1/jobs/{job['id']}", timeout=10)
+                    call("DELETE", f"{base}/v1/jobs/{_q(job['id'])}", timeout=10)
                 except (ClientError, OSError):
                     pass
                 raise
@@ -282,13 +288,13 @@ def cmd_job(args: argparse.Namespace) -> int:
         if args.wait:
             job = follow(base, args.job_id)
         else:
-            job = call("GET", f"{base}/v1/jobs/{args.job_id}")
+            job = call("GET", f"{base}/v1/jobs/{_q(args.job_id)}")
         return job_outcome(job, out, pending)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """DELETE /v1/jobs/{id}: a queued or running job is cancelled (a finished one forgotten)."""
-    job = call("DELETE", f"{args.server.rstrip('/')}/v1/jobs/{args.job_id}")
+    job = call("DELETE", f"{args.server.rstrip('/')}/v1/jobs/{_q(args.job_id)}")
     if job.get("result") is not None:
         job["result"] = {k: v for k, v in job["result"].items() if k != "image"}
     print(json.dumps(job))

@@ -94,7 +94,7 @@ def check_server_config(cfg: ServerConfig) -> None:
             raise ValueError(f"{name}: must be >= 1, got {getattr(cfg, name)}")
     for name in ("max_queue", "worker_slots", "retry_after_s", "default_steps", "worker_hang_s",
                  "drain_timeout_s", "max_request_cost", "max_request_seconds"):  # fmt: skip
-        if getattr(cfg, name) < 0:
+        if not getattr(cfg, name) >= 0:  # nan too (it would switch a limit off)
             raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
     for name in ("request_timeout_s", "health_poll_s", "health_timeout_s", "stall_s",
                  "worker_start_timeout_s", "job_ttl_s", "stage_overrun_s"):  # fmt: skip

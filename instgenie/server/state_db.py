@@ -159,6 +159,11 @@ class StateDB:
                     raise
                 self._conn.execute("COMMIT")
             except sqlite3.Error as e:
+                # a failed COMMIT (disk full, I/O error) leaves the transaction open: end it, so
+                # the next write can begin one
+                if self._conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._conn.execute("ROLLBACK")
                 raise StateDBError(f"state_db: {self.path}: {e}") from None
 
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:

@@ -29,6 +29,16 @@ HEADERS = {
 }
 
 
+class _Assets(StaticFiles):
+    """The page's files with the page's headers: no-cache (an upgrade never mixes an old module
+    with a new page), nosniff, and the CSP on whatever is opened directly."""
+
+    async def get_response(self, path: str, scope):  # noqa: ANN001, ANN201 - starlette's
+        response = await super().get_response(path, scope)
+        response.headers.update(HEADERS)
+        return response
+
+
 def mount_ui(app: FastAPI) -> None:
     """Serve the editor: the page at `/`, its module and style sheet under `/ui/`."""
 
@@ -36,4 +46,4 @@ def mount_ui(app: FastAPI) -> None:
     async def editor_page() -> FileResponse:
         return FileResponse(UI_DIR / "index.html", media_type="text/html", headers=HEADERS)
 
-    app.mount("/ui", StaticFiles(directory=UI_DIR), name="ui")
+    app.mount("/ui", _Assets(directory=UI_DIR), name="ui")

@@ -512,8 +512,22 @@ function follow(id, format) {
     progress.value = 0;
     status.textContent = "Cancelled.";
   });
-  source.onerror = () => {
-    if (state.job && state.job.id === id) status.textContent = "Connection lost; reconnecting…";
+  source.onerror = async () => {
+    if (!state.job || state.job.id !== id) return;
+    if (source.readyState !== EventSource.CLOSED) {
+      status.textContent = "Connection lost; reconnecting…";
+      return;
+    }
+    // the stream is gone for good (the job is unknown to the server now): say what it knows
+    finish();
+    progress.value = 0;
+    try {
+      const job = await api("GET", `v1/jobs/${encodeURIComponent(id)}`);
+      status.textContent = `The job's events ended; it is ${job.status}.`;
+    } catch (err) {
+      status.textContent = "The job is no longer known to the server.";
+      showError("e", err);
+    }
   };
 }
 
