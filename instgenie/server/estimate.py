@@ -153,7 +153,7 @@ class Estimator:
                 counts[n] += w.rows
                 if w.loads:  # one copy per request, each priced by the fit (as the worker does)
                     nbytes = cached_bytes(L, d.channels, w.rows, spec.cache_dtype)
-                    load += self._fit_ms(spec.load.get("dram"), nbytes)
+                    load += fit_ms(spec.load.get("dram"), nbytes)
             # = batch_flops(d, L, rows' masked tokens, t): a sum of per-row terms
             full = self._compute_ms(d, "full", 2 * rows * row_macs(d, L, L, t))
             cached = full
@@ -174,25 +174,27 @@ class Estimator:
 
     def other_ms(self, rows_pixels: int) -> float:
         """The step outside its transformer blocks for `rows_pixels` = batch rows * pixels."""
-        return self._fit_ms(self.spec.other, rows_pixels) if self.spec.other is not None else 0.0
+        return fit_ms(self.spec.other, rows_pixels) if self.spec.other is not None else 0.0
 
     def stage_ms(self, stage: str, pixels: int) -> float:
         """The loop's `stage` ("encode" | "decode") of one request of `pixels`, ms; 0 when the
         worker's spec has no fit for it, or prices steps in nominal FLOPs (other units)."""
         if not self.fitted:
             return 0.0
-        return self._fit_ms(self.spec.stages.get(stage), pixels)
+        return fit_ms(self.spec.stages.get(stage), pixels)
 
     def _compute_ms(self, d: BlockDims, mode: str, flops: float) -> float:
         if not self.fitted:
             return flops / NOMINAL_FLOPS_PER_MS
-        return self._fit_ms(self.spec.compute.get(f"{d.kind}:{d.channels}/{mode}"), flops)
+        return fit_ms(self.spec.compute.get(f"{d.kind}:{d.channels}/{mode}"), flops)
 
-    @staticmethod
-    def _fit_ms(fit: CostFit | None, x: float) -> float:
-        if fit is None:  # a class or tier the profile lacks (check_profile refuses such profiles)
-            return 0.0
-        return max(0.0, fit.slope * x + fit.intercept)
+
+def fit_ms(fit: CostFit | None, x: float) -> float:
+    """A fitted latency at `x` (FLOPs, bytes or pixels), ms; 0 for no fit (a class or tier the
+    profile lacks: check_profile refuses such profiles)."""
+    if fit is None:
+        return 0.0
+    return max(0.0, fit.slope * x + fit.intercept)
 
 
 def token_ratios(mask: np.ndarray, strides: Sequence[int]) -> dict[int, float]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from instgenie.config import Config
 from instgenie.messages import CostSpec
+from instgenie.server.estimate import fit_ms
 from instgenie.server.routing import RouteRequest, WorkerView
 from instgenie.worker.client import WorkerClient, WorkerHandle
 
@@ -133,7 +134,7 @@ class WorkerSlot:
         if fit is None or not self.routes:
             return stage_overrun_s, 0.0
         pixels = max(r.pixels for r in self.routes.values())
-        expected_s = max(0.0, fit.slope * pixels + fit.intercept) / 1e3
+        expected_s = fit_ms(fit, pixels) / 1e3
         limit = max(STAGE_OVERRUN_FACTOR * expected_s, STAGE_OVERRUN_FLOOR_S)
         return min(stage_overrun_s, limit), expected_s
 
