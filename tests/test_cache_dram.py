@@ -210,7 +210,9 @@ def test_views_outlive_release_without_dangling(tmp_path: Path, ns: str) -> None
     expected = fill(tier, KA, 4)
     seg = tier.attach(KA)
     view = LAYOUT.latents_view(seg.data, 1)
-    tier.release(seg)  # the mapping lingers while `view` lives
+    tier.release(seg)
+    assert seg.data is not None  # kept mapped for this process's next handle
+    tier.delete(KA)  # the entry goes: the idle mapping closes, and lingers while `view` lives
     off, _ = LAYOUT.latents_slab(1)
     assert (
         view.contiguous().view(torch.uint8).flatten().tolist()
@@ -219,7 +221,9 @@ def test_views_outlive_release_without_dangling(tmp_path: Path, ns: str) -> None
     assert dram_mod._LINGERING  # unmapping now would leave `view` dangling
     del view
     gc.collect()
-    tier.release(tier.attach(KA))  # any later close sweeps the lingering mapping
+    fill(tier, KB, 2)
+    tier.release(tier.attach(KB))
+    tier.delete(KB)  # any later close sweeps the lingering mapping
     assert dram_mod._LINGERING == []
 
 

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import gc
 import os
+import uuid
 
 import pytest
 import torch
 
+from instgenie.cache.dram import cleanup
+from instgenie.cache.host_store import HostActivationStore
 from instgenie.cache.store import InMemoryStore
+from instgenie.cache.tiered import TieredStore
 from instgenie.engine.graphs import (
     COST_MIN_SAMPLES,
     COST_SAMPLES,
@@ -102,6 +106,48 @@ def test_graph_form_equals_plain_path(family: str, step_copy: str, monkeypatch) 
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("loading", ["auto", "pipelined"])
+def test_graph_form_reads_host_memory(family: str, loading: str, tmp_path) -> None:
+    """Caches in the host DRAM tier (shared memory): the graph form reads each request's step
+    from the segment in place ("auto" on CPU; on CUDA the pinned pages' device view), or through
+    the composition's own loader whose copies are part of the step ("pipelined"; what a CUDA
+    graph captures for host caches, decision 0029). Both equal the plain path exactly."""
+    ns = uuid.uuid4().hex[:10]
+    tiered = TieredStore(tmp_path, ns, 256 << 20, 0, disk_enabled=False)
+    try:
+        pipe = _pipe(family, HostActivationStore(tiered, tmp_path))
+        ex = pipe.family.masked
+        k1, k2 = _template(pipe, 1), _template(pipe, 2)
+        reqs = [
+            _edit("a", k1, (0.1, 0.1, 0.4, 0.5), 3),
+            _edit("b", k2, (0.5, 0.2, 0.9, 0.7), 4),
+            _edit("c", None, (0.3, 0.3, 0.6, 0.6), 5),
+            _edit("e", k2, (0.2, 0.0, 0.7, 0.4), 7, guidance=1.0),
+        ]
+        ex.graphs.mode = "off"
+        plain = _run_staggered(pipe, reqs)
+        ex.graphs = StepGraphs(ex.device, "all")
+        ex.graphs.force_static = True
+        ex.loading = loading
+        loaders = []
+        make = ex._graph_loader
+        ex._graph_loader = lambda dtype: loaders.append(make(dtype)) or loaders[-1]
+        static = _run_staggered(pipe, reqs)
+        assert ex.graphs.counters["warmup"] == STEPS + len(reqs) - 1
+        assert ex.graphs.counters["eager"] == 0
+        for a, b in zip(plain, static, strict=True):
+            assert torch.equal(a, b)
+        assert ex.loader is None  # no eager (DMA) loading ran
+        if loading == "pipelined":  # one loader per composition that read the cache
+            assert len(loaders) == STEPS + len(reqs) - 1
+            assert all(ld.bytes_loaded > 0 for ld in loaders)
+        else:
+            assert loaders == []
+    finally:
+        tiered.close()
+        cleanup(ns)
+
+
 def test_graph_form_reads_each_step(family: str) -> None:
     """The step index is a device scalar written before every call: a graph form stuck at the
     step it was built for reads the wrong cached rows (guards the fill of the step index)."""
@@ -132,11 +178,11 @@ def test_store_stacks_are_the_step_entries() -> None:
     h = pipe.store.open(key)
     meta = pipe.store.meta(key)
     for b, (L, C) in meta.block_shapes.items():
-        stack = h.block_steps(b)
+        stack = h.block_steps(b, h.device)
         assert stack.shape == (STEPS, meta.num_rows, L, C)
         for s in range(STEPS):
             assert h.block(s, b).data_ptr() == stack[s].data_ptr()
-    assert meta.nbytes >= sum(h.block_steps(b).nbytes for b in meta.block_shapes)
+    assert meta.nbytes >= sum(h.block_steps(b, h.device).nbytes for b in meta.block_shapes)
 
 
 def test_eligibility() -> None:

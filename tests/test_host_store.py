@@ -101,9 +101,53 @@ def test_handles_are_released(host_pipe) -> None:
     key, _, edit = _replay(pipe)
     s = _run(pipe, edit)
     assert s.cache_handle is None  # released at completion
-    assert pipe.store._pins == {}
+    assert pipe.store.tiered.dram._mapped[key].users == 0  # kept mapped, unused
     refs = pipe.store.tiered.dram.refcounts(key)
     assert sum(refs.values()) == 0
+
+
+def test_a_mapping_is_pinned_once_and_unpinned_when_its_entry_goes(tmp_path, monkeypatch) -> None:
+    """Registering tens of GB as pinned memory takes seconds: a process maps and pins a ready
+    segment once and keeps it across handles (requests), and unpins and unmaps it only once it
+    is idle and its entry is gone (deleted here, or evicted by any process of the host)."""
+    ns = uuid.uuid4().hex[:10]
+    hs = _host_store(tmp_path, ns)
+    other = _host_store(tmp_path, ns)  # another worker of the host, same cache
+    pins, unpins = [], []
+    monkeypatch.setattr(host_store, "pin", lambda t: pins.append(t.data_ptr()) or True)
+    monkeypatch.setattr(host_store, "unpin", lambda t: unpins.append(t.data_ptr()) or True)
+    hs.pin_memory = True
+    try:
+        keys = ["ab" * 32, "cd" * 32]
+        for key in keys:
+            _commit_tiny(hs, key)
+        h1, h2 = hs.open(keys[0]), hs.open(keys[0])
+        seg = h1._host.segment
+        assert h2._host.segment is seg and seg.users == 2 and len(pins) == 1
+        h1.close()
+        h2.close()
+        assert seg.users == 0 and seg.data is not None  # idle, still mapped and pinned
+        h3 = hs.open(keys[0])  # a later request: no new mapping, no new registration
+        assert h3._host.segment is seg and len(pins) == 1
+        h3.close()
+        other.delete(keys[0])  # gone from the host (another process deleted it)
+        hs.open(keys[1]).close()  # any later use of the tier sweeps idle mappings
+        assert unpins == [pins[0]] and seg.data is None and keys[0] not in hs.tiered.dram._mapped
+        hs.delete(keys[1])  # deleted by this process: unpinned and unmapped at once
+        assert len(unpins) == 2 and hs.tiered.dram._mapped == {}
+    finally:
+        hs.tiered.close()
+        other.tiered.close()
+        cleanup(ns)
+
+
+def _commit_tiny(hs: HostActivationStore, key: str) -> None:
+    w = hs.writer(key, TemplateMeta(num_steps=2, num_rows=1, timesteps=(1.0, 0.5)))
+    for s in range(2):
+        for b in range(2):
+            w.put_block(s, b, torch.randn(1, 16, 8))
+        w.put_latents(s, torch.randn(1, 4, 4, 4))
+    w.commit()
 
 
 def test_fp8_host_entries(tmp_path) -> None:
@@ -217,11 +261,11 @@ def test_a_failed_pin_does_not_leak_the_reference(tmp_path, monkeypatch) -> None
         def fail(t: torch.Tensor) -> bool:
             raise RuntimeError("cudaHostRegister failed with CUDA error 2")
 
-        monkeypatch.setattr(host_store.torch.cuda, "is_available", lambda: True)
+        hs.pin_memory = True
         monkeypatch.setattr(host_store, "pin", fail)
         with pytest.raises(RuntimeError, match="cudaHostRegister"):
             hs.open(key)
-        assert hs._pins == {}
+        assert hs.tiered.dram._mapped[key].pinned is None
         hs.delete(key)  # EntryInUse if the reference had leaked
         assert hs.status(key) == "absent"
     finally:

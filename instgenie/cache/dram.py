@@ -128,6 +128,20 @@ class Segment:
         if hdr is None:
             _, _, hdr, _ = SEG_HEADER.unpack_from(shm.buf)
         self.data: torch.Tensor | None = as_uint8(shm.buf)[hdr : hdr + layout.nbytes]
+        #: identity of the shared-memory object this mapping shows (a name can be reused)
+        self.inode = os.fstat(shm._fd).st_ino  # type: ignore[attr-defined]
+        #: open handles of this process on this mapping (DramTier.attach / release)
+        self.users = 0
+        #: set by whoever registered the mapping as pinned memory (host_store); the DramTier's
+        #: on_unmap hook undoes it before the mapping is closed
+        self.pinned: object = None
+
+    def shows(self, namespace: str) -> bool:
+        """Whether the segment's name still names the object this mapping shows."""
+        try:
+            return (SHM_DIR / segment_name(namespace, self.key)).stat().st_ino == self.inode
+        except OSError:
+            return False
 
     @staticmethod
     def _meta(key: str, layout: TemplateLayout) -> tuple[bytes, int]:
@@ -250,6 +264,12 @@ class DramTier:
         self._tlock = threading.Lock()
         self._local = threading.local()
         self._raw = b""  # the index file as last read (under the lock)
+        #: ready segments this process has mapped, key -> Segment: kept mapped (and pinned, by
+        #: on_map) across handles, so a request costs no mmap or page registration; unmapped once
+        #: idle and no longer the index's entry (evicted, deleted or replaced)
+        self._mapped: dict[str, Segment] = {}
+        #: run before a mapping with `pinned` set is closed (undoes the pinning)
+        self.on_unmap: Callable[[Segment], None] | None = None
         with self.txn() as t:  # drop entries whose segment vanished, unlink unlisted segments
             if SHM_DIR.is_dir():
                 for e in t.idx.entries("dram"):
@@ -328,7 +348,7 @@ class DramTier:
                     seg = Segment.attach(self.ns, ev.key)
                 except CacheMiss:
                     t.idx.abort(ev.key, ev.demote_to)
-            _unlink_shm(segment_name(self.ns, ev.key))
+            self.unlink(ev.key)
             if seg is not None:
                 t.demotions.append(seg)
 
@@ -408,6 +428,7 @@ class DramTier:
                 raise CacheMiss(f"{seg.key[:12]} vanished while building")
             if acquire:
                 t.idx.acquire(seg.key, "dram", self.owner)
+                self._adopt(t, seg)
 
     def abort(self, seg: Segment) -> None:
         seg.close()
@@ -416,28 +437,70 @@ class DramTier:
                 _unlink_shm(segment_name(self.ns, seg.key))
 
     def attach(self, key: str) -> Segment | None:
-        """Map a ready entry and take a reference on it (None if not ready in DRAM)."""
+        """A ready entry's mapping, with a reference taken on it (None if not ready in DRAM).
+        The mapping is this process's one mapping of the segment, shared by its handles."""
         with self.txn() as t:
             e = t.idx.get(check_key(key), "dram")
             if e is None or e.state != READY:
                 return None
-            try:
-                seg = Segment.attach(self.ns, key)
-            except CacheMiss as err:
-                log.warning("dram entry %s listed but unusable (%s): forgotten", key[:12], err)
-                if not e.refs:
-                    self.apply(t, t.idx.remove(key, "dram"))
-                return None
+            seg = self._mapped.get(key)
+            if seg is not None and not seg.shows(self.ns):  # replaced since it was mapped
+                self._retire(seg)
+                seg = None
+            if seg is None:
+                try:
+                    seg = Segment.attach(self.ns, key)
+                except CacheMiss as err:
+                    log.warning("dram entry %s listed but unusable (%s): forgotten", key[:12], err)
+                    if not e.refs:
+                        self.apply(t, t.idx.remove(key, "dram"))
+                    return None
+                self._adopt(t, seg)
+            else:
+                seg.users += 1
             t.idx.acquire(key, "dram", self.owner)
             return seg
 
-    def release(self, seg: Segment) -> None:
+    def _adopt(self, t: Txn, seg: Segment) -> None:
+        """Keep a ready segment mapped in this process, with one user (under the lock)."""
+        self._sweep(t)
+        seg.users = 1
+        self._mapped[seg.key] = seg
+
+    def _retire(self, seg: Segment) -> None:
+        """Forget a mapping; close it now if idle, else at its last handle's release."""
+        if self._mapped.get(seg.key) is seg:
+            del self._mapped[seg.key]
+        if seg.users == 0:
+            self._unmap(seg)
+
+    def _unmap(self, seg: Segment) -> None:
+        if self.on_unmap is not None and seg.pinned is not None:
+            try:
+                self.on_unmap(seg)
+            except Exception:
+                log.exception("unpinning segment %s failed", seg.key[:12])
+        seg.pinned = None
         seg.close()
+
+    def _sweep(self, t: Txn) -> None:
+        """Close idle mappings whose entry the index no longer lists as ready (evicted or deleted
+        by any process): their memory is freed only once every process unmapped it."""
+        for key, seg in list(self._mapped.items()):
+            if seg.users == 0 and t.idx.state(key, "dram") != READY:
+                self._retire(seg)
+
+    def release(self, seg: Segment) -> None:
         with self.txn() as t:
             try:
                 t.idx.release(seg.key, "dram", self.owner)
             except ValueError:
                 log.warning("release of %s without a reference", seg.key[:12])
+            seg.users = max(0, seg.users - 1)
+            if self._mapped.get(seg.key) is not seg:
+                if seg.users == 0:
+                    self._unmap(seg)  # retired while in use
+            self._sweep(t)
 
     def delete(self, key: str) -> None:
         """Forget and unlink the DRAM copy (EntryInUse while referenced or building)."""
@@ -446,8 +509,12 @@ class DramTier:
                 self.unlink(key)
 
     def unlink(self, key: str) -> None:
-        """Remove a segment's name; only inside a txn, after the index forgot the entry."""
+        """Remove a segment's name; only inside a txn, after the index forgot the entry. This
+        process's mapping of it closes now if idle, else at its last handle's release."""
         _unlink_shm(segment_name(self.ns, key))
+        seg = self._mapped.get(key)
+        if seg is not None:
+            self._retire(seg)
 
     @property
     def in_txn(self) -> bool:
@@ -460,6 +527,9 @@ class DramTier:
             return dict(e.refs) if e else {}
 
     def close(self) -> None:
+        for seg in list(self._mapped.values()):
+            seg.users = 0
+            self._retire(seg)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

@@ -3,8 +3,11 @@
 - Writers stream a capture into a DRAM segment. The segment's layout needs every block's shape,
   which the capture reveals during its first step; step 0's outputs are held until then.
 - `open` returns a handle whose tensors are zero-copy views of the shared segment (fp8 entries
-  come back as QuantizedRows). On CUDA the segment is registered as pinned memory while any
-  handle of this process is open, so the pipelined loader's copies are DMA at full bandwidth.
+  come back as QuantizedRows). On CUDA the segment is registered as pinned, device-mapped memory
+  once per mapping (this process keeps a ready segment mapped across its handles, DramTier.attach)
+  and unregistered when the mapping closes: a request pays no registration. The pipelined
+  loader's copies are then DMA at full bandwidth, and `block_steps` offers a device view of the
+  pinned pages that CUDA-graph steps read in place (engine/graphs.py, decision 0029).
 - `meta` (the step schedule an edit must match) is kept next to the cache root as JSON, written
   atomically just before commit, so every process of the host can select the masked path; a
   ready entry without one is removed (and captured again).
@@ -23,7 +26,7 @@ from pathlib import Path
 import torch
 
 from instgenie.cache.disk import CacheMiss, check_key
-from instgenie.cache.hostmem import pin, unpin
+from instgenie.cache.hostmem import device_view, pin, unpin
 from instgenie.cache.index import EntryInUse
 from instgenie.cache.layout import TemplateLayout
 from instgenie.cache.quant import FP8, QuantizedRows, quantize_rows
@@ -45,8 +48,11 @@ class HostActivationStore:
         self.meta_dir.mkdir(parents=True, exist_ok=True)
         self._metas: dict[str, TemplateMeta] = {}
         self._lock = threading.Lock()
-        #: key -> [open handles in this process, pinned data tensor or None]
-        self._pins: dict[str, list] = {}
+        #: serialises page registration (seconds for tens of GB), outside the host index lock
+        self._pin_lock = threading.Lock()
+        #: register DRAM mappings as pinned memory (CUDA machines); benchmarks turn it off
+        self.pin_memory = torch.cuda.is_available()
+        tiered.dram.on_unmap = _unpin_segment
 
     # ---- status / meta ---------------------------------------------------------------------
     def status(self, key: str) -> str:
@@ -118,28 +124,20 @@ class HostActivationStore:
         """Acquire the entry (loading it from disk into DRAM if needed; CacheMiss if that fails)."""
         host = self.tiered.acquire(key)
         try:
-            with self._lock:
-                entry = self._pins.setdefault(key, [0, None])
-                if entry[1] is None and torch.cuda.is_available():
-                    data = host.data
-                    entry[1] = data if pin(data) else None
-                entry[0] += 1
+            self._pin(host)
         except BaseException:
-            with self._lock:
-                if self._pins.get(key) == [0, None]:
-                    del self._pins[key]
             host.close()  # e.g. cudaHostRegister failed: the reference must not leak
             raise
-        return _HostHandle(self, key, host)
+        return _HostHandle(host)
 
-    def _closed(self, key: str) -> None:
-        with self._lock:
-            entry = self._pins[key]
-            entry[0] -= 1
-            if entry[0] == 0:
-                if entry[1] is not None:
-                    unpin(entry[1])
-                del self._pins[key]
+    def _pin(self, host: HostTemplate) -> None:
+        """Register the entry's mapping as pinned once (it stays so until it is unmapped)."""
+        seg = host.segment
+        if seg.pinned is not None or not self.pin_memory:
+            return
+        with self._pin_lock:
+            if seg.pinned is None and pin(host.data):
+                seg.pinned = {}  # device -> device view of the pinned pages (device_views)
 
     def prefetch(self, key: str):
         """Disk -> DRAM in the background (a Future), or None if already in DRAM / absent."""
@@ -155,16 +153,38 @@ class HostActivationStore:
         return int(st["bytes_dram"])
 
 
+def _unpin_segment(seg) -> None:
+    """DramTier.on_unmap: undo _pin before the mapping closes (no view may outlive it)."""
+    seg.pinned = None
+    unpin(seg.data)
+
+
 class _HostHandle:
     device = torch.device("cpu")
 
-    def __init__(self, store: HostActivationStore, key: str, host: HostTemplate) -> None:
-        self._store, self._key, self._host = store, key, host
+    def __init__(self, host: HostTemplate) -> None:
+        self._host = host
         self._fp8 = host.layout.fp8_scales
 
     def block(self, step: int, block_id: int) -> torch.Tensor | QuantizedRows:
         y = self._host.block(step, block_id)
         return QuantizedRows(y, self._host.scales(step, block_id)) if self._fp8 else y
+
+    def block_steps(self, block_id: int, device: torch.device) -> torch.Tensor | None:
+        """(num_steps, rows, L, C) of the block, readable by kernels on `device` in place: a view
+        of the pinned pages on CUDA, the shared segment itself on CPU. None when there is none
+        (fp8 entries, or unpinned memory on CUDA)."""
+        if self._fp8 or self._host.closed:
+            return None
+        seg, layout = self._host.segment, self._host.layout
+        if device.type == "cpu":
+            return layout.block_steps_view(self._host.data, block_id)
+        if device.type != "cuda" or seg.pinned is None:
+            return None
+        view = seg.pinned.get(device)
+        if view is None:
+            view = seg.pinned[device] = device_view(self._host.data, device)
+        return layout.block_steps_view(view, block_id)
 
     def latents(self, step: int) -> torch.Tensor:
         return self._host.latents(step)
@@ -173,7 +193,6 @@ class _HostHandle:
         if self._host is not None:
             self._host.close()
             self._host = None
-            self._store._closed(self._key)
 
 
 class _StreamingWriter:

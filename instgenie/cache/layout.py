@@ -171,6 +171,24 @@ class TemplateLayout:
         off, shape = self.slab(step, block)
         return view_slab(buf, off, shape, self.dtype)
 
+    def block_steps_view(self, flat: torch.Tensor, block: int) -> torch.Tensor:
+        """(num_steps, rows, L, C) view of Y[*][block] over a flat uint8 tensor holding the whole
+        layout (any device: e.g. a device view of pinned host memory). Steps are step_nbytes
+        apart, so the view is strided across steps and contiguous within one."""
+        self._check(0, block)
+        esize = self.torch_dtype.itemsize
+        if flat.dim() != 1 or flat.dtype != torch.uint8 or flat.numel() < self.nbytes:
+            raise ValueError("block_steps_view needs the whole layout as a flat uint8 tensor")
+        if self.step_nbytes % esize or self._offsets[block] % esize:
+            raise ValueError("misaligned slab")  # ALIGN is a multiple of every itemsize
+        rows, L, C = self.block_shape(block)
+        typed = flat.view(self.torch_dtype)
+        return typed.as_strided(
+            (self.num_steps, rows, L, C),
+            (self.step_nbytes // esize, L * C, C, 1),
+            typed.storage_offset() + self._offsets[block] // esize,  # absolute, in elements
+        )
+
     def scale_view(self, buf: Buffer, step: int, block: int) -> torch.Tensor:
         off, shape = self.scale_slab(step, block)
         return view_slab(buf, off, shape, "float32")

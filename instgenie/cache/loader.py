@@ -29,14 +29,36 @@ import torch
 from instgenie.cache.quant import QuantizedRows, copy_rows
 
 
+class IndexedSource(Protocol):
+    """A source that copies itself with device ops only (graph-safe; e.g. a step of a stack
+    chosen by a device-side index: engine.masked.context.StepSlice)."""
+
+    shape: torch.Size
+    nbytes: int
+
+    def copy_into(self, dst: torch.Tensor) -> None: ...
+
+
+#: what a load copies from: host rows (DMA), fp8 rows (dequantised on the way), or an
+#: IndexedSource (a kernel reads it in place, inside a CUDA graph if one is being captured)
+Source = torch.Tensor | QuantizedRows | IndexedSource
+
+
+def _copy(dst: torch.Tensor, src: Source, non_blocking: bool) -> None:
+    if isinstance(src, (torch.Tensor, QuantizedRows)):
+        copy_rows(dst, src, non_blocking=non_blocking)
+    else:
+        src.copy_into(dst)
+
+
 class CopyEngine(Protocol):
     def event(self) -> Any: ...
     def record_compute(self, event: Any) -> None: ...
     def record_copy(self, event: Any) -> None: ...
     def copy_waits(self, event: Any) -> None: ...
     def compute_waits(self, event: Any) -> None: ...
-    def copy(self, dst: torch.Tensor, src: torch.Tensor | QuantizedRows) -> None: ...
-    def copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor | QuantizedRows]]) -> None: ...
+    def copy(self, dst: torch.Tensor, src: Source) -> None: ...
+    def copies(self, pairs: list[tuple[torch.Tensor, Source]]) -> None: ...
     def session(self) -> contextlib.AbstractContextManager: ...
     def synchronize(self) -> None: ...
 
@@ -64,15 +86,15 @@ class CudaCopyEngine:
     def compute_waits(self, event: torch.cuda.Event) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor | QuantizedRows) -> None:
+    def copy(self, dst: torch.Tensor, src: Source) -> None:
         self.copies([(dst, src)])
 
-    def copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor | QuantizedRows]]) -> None:
+    def copies(self, pairs: list[tuple[torch.Tensor, Source]]) -> None:
         # fp8 rows are copied as bytes and dequantised on the copy stream, so the compute
         # stream only ever sees compute-dtype rows
         with self.session():
             for dst, src in pairs:
-                copy_rows(dst, src, non_blocking=True)
+                _copy(dst, src, non_blocking=True)
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -110,12 +132,12 @@ class SyncCopyEngine:
     def compute_waits(self, event: None) -> None:
         pass
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor | QuantizedRows) -> None:
-        copy_rows(dst, src, non_blocking=False)
+    def copy(self, dst: torch.Tensor, src: Source) -> None:
+        _copy(dst, src, non_blocking=False)
 
-    def copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor | QuantizedRows]]) -> None:
+    def copies(self, pairs: list[tuple[torch.Tensor, Source]]) -> None:
         for dst, src in pairs:
-            copy_rows(dst, src, non_blocking=False)
+            _copy(dst, src, non_blocking=False)
 
     def session(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -134,15 +156,12 @@ class BlockLoad:
 
     block_id: int
     shape: tuple[int, int, int]
-    #: (first row, host tensor (rows, L, C) or fp8 rows) per cache-reading request
-    sources: list[tuple[int, torch.Tensor | QuantizedRows]]
+    #: (first row, source of (rows, L, C)) per cache-reading request
+    sources: list[tuple[int, Source]]
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            src.nbytes if isinstance(src, QuantizedRows) else src.numel() * src.element_size()
-            for _, src in self.sources
-        )
+        return sum(int(src.nbytes) for _, src in self.sources)
 
 
 @dataclass
@@ -184,7 +203,9 @@ class PipelinedLoader:
         count = max(self.num_buffers, min(len(loads), fit))
         if need and (len(self._ring) < count or self._ring[0].numel() < need):
             # the old ring may still be read/written by queued work: drain before freeing it
-            self.engine.synchronize()
+            # (a first ring may be allocated inside a CUDA-graph capture: nothing to drain)
+            if self._ring:
+                self.engine.synchronize()
             self._ring = [torch.empty(need, dtype=self.dtype, device=self.device)
                           for _ in range(count)]  # fmt: skip
         # the previous step's work on the ring must finish before this step overwrites it

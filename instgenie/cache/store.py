@@ -193,9 +193,11 @@ class _MemoryHandle:
     def block(self, step: int, block_id: int) -> torch.Tensor:
         return self._entry.blocks[(step, block_id)]
 
-    def block_steps(self, block_id: int) -> torch.Tensor | None:
-        """(num_steps, rows, L, C): the block's output at every step, or None (fp8 entries)."""
-        return self._entry.stacked.get(block_id)
+    def block_steps(self, block_id: int, device: torch.device) -> torch.Tensor | None:
+        """(num_steps, rows, L, C): the block's output at every step, when kernels on `device`
+        can read it in place; else None (fp8 entries, another device)."""
+        stack = self._entry.stacked.get(block_id)
+        return stack if stack is not None and stack.device == device else None
 
     def latents(self, step: int) -> torch.Tensor:
         return self._entry.latents[step]

@@ -424,11 +424,17 @@ class HostTemplate:
     def __init__(self, dram: DramTier, seg: Segment) -> None:
         self._dram, self._seg = dram, seg
         self.key, self.layout = seg.key, seg.layout
+        self._open = True  # the mapping is shared by this process's handles: closed per handle
+
+    @property
+    def segment(self) -> Segment:
+        """This process's mapping of the entry (shared by its handles; see DramTier.attach)."""
+        return self._seg
 
     @property
     def data(self) -> torch.Tensor:
-        """The whole template as one uint8 tensor (e.g. for dram.pin)."""
-        if self._seg.data is None:
+        """The whole template as one uint8 tensor."""
+        if not self._open or self._seg.data is None:
             raise RuntimeError("handle is closed")
         return self._seg.data
 
@@ -443,16 +449,17 @@ class HostTemplate:
 
     @property
     def closed(self) -> bool:
-        return self._seg.data is None
+        return not self._open
 
     def close(self) -> None:
-        if not self.closed:
+        if self._open:
+            self._open = False
             self._dram.release(self._seg)
 
     def __del__(self) -> None:
         # a handle dropped without close() would pin its entry until this process exits
         seg = getattr(self, "_seg", None)
-        if seg is not None and seg.data is not None and not self._dram.in_txn:
+        if seg is not None and getattr(self, "_open", False) and not self._dram.in_txn:
             log.warning("HostTemplate %s garbage-collected while open: released", self.key[:12])
             try:
                 self.close()

@@ -37,8 +37,16 @@ Whether and when a composition is captured (INSTGENIE_GRAPH_CAPTURE, decision 00
 
 Modes (INSTGENIE_CUDA_GRAPHS): "all" (default) graphs every eligible batch, "masked" only
 batches that read a template cache, "off" none. Ineligible: CPU, capture runs (block outputs are
-handed to a writer), timers and pipelined host loads (they synchronise with other streams),
-caches without per-block stacks (fp8, host tiers), an active dispatch mode (FLOP counting).
+handed to a writer), timers, caches without per-block stacks readable on the device (fp8),
+an active dispatch mode (FLOP counting).
+
+Host-tier caches (decision 0029): a DRAM entry pinned as mapped memory offers `block_steps` as a
+device view of its pages. Its rows are not read inline (PCIe would then sit on the compute
+stream's critical path): each such composition owns a `PipelinedLoader` whose side-stream copies
+are captured with the step — fork at step start, one copy kernel per block reading the step the
+device index names, an event per block that the block's use waits on, ring reuse ordered after
+the previous occupant's consumer — so replays overlap PCIe reads with compute as eager pipelined
+loading does, and cost no host work per block.
 """
 
 from __future__ import annotations
@@ -123,6 +131,8 @@ class _Entry:
     masked_blocks: list[int] = field(default_factory=list)
     #: token sets the graph reads (kept alive with it)
     tokens: tuple = ()
+    #: streamed compositions: the loader whose staging ring the graph copies host rows into
+    loader: Any = None
 
 
 class StepGraphs:
@@ -173,10 +183,11 @@ class StepGraphs:
             h = req.handle
             if h is None:
                 continue
-            if h.device != self.device or not hasattr(h, "block_steps"):
+            if not hasattr(h, "block_steps"):
                 return False
             for b in (b for b in block_ids if ctx.is_masked(b)):
-                stack = h.block_steps(b)
+                # readable in place on the device: device memory, or pinned mapped DRAM
+                stack = h.block_steps(b, self.device)
                 if stack is None or stack.dtype != dtype:
                     return False
         return True
@@ -189,10 +200,13 @@ class StepGraphs:
         fn: Callable[..., torch.Tensor],
         args: tuple,
         kwargs: dict[str, Any],
+        make_loader: Callable[[torch.dtype], Any] | None = None,
     ) -> torch.Tensor:
         """fn(*args, **kwargs) under `ctx`, through the composition's graph. `key` must identify
         the composition (executor.composition_key plus the plan); the graph is reused only
-        while tensor shapes, dtypes and every non-tensor argument are unchanged."""
+        while tensor shapes, dtypes and every non-tensor argument are unchanged. `make_loader`
+        (dtype -> PipelinedLoader), for cached rows in host memory: they are copied into the
+        composition's own staging ring on a side stream, inside the graph."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
@@ -218,6 +232,11 @@ class StepGraphs:
         if ctx is not None and entry.step_index is not None:
             self._write_steps(entry, ctx)
             ctx.step_index = entry.step_index
+            if make_loader is not None:
+                if entry.loader is None:
+                    entry.loader = make_loader(tensors[0].dtype)
+                # replays reuse the captured copies; the loader keeps its last step's counts
+                ctx.start_loads(entry.loader)
         entry.calls += 1
         if entry.graph is not None:
             out = self._timed("replay", shape, lambda: self._replay(entry))

@@ -53,6 +53,26 @@ def copy_cached_step(src: torch.Tensor, step: torch.Tensor, out: torch.Tensor) -
         torch.index_select(src, 0, step, out=out.unsqueeze(0))
 
 
+class StepSlice:
+    """A graph-safe copy source: step `step[0]` of a (num_steps, rows, L, C) stack that kernels on
+    the compute device read in place (device memory, or pinned host memory over PCIe), the step
+    index staying on the device, so a captured copy serves every step (PipelinedLoader source)."""
+
+    def __init__(self, stack: torch.Tensor, step: torch.Tensor) -> None:
+        self.stack, self.step = stack, step
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.stack.shape[1:]
+
+    @property
+    def nbytes(self) -> int:
+        return self.stack[0].numel() * self.stack.element_size()
+
+    def copy_into(self, dst: torch.Tensor) -> None:
+        copy_cached_step(self.stack, self.step, dst)
+
+
 def current_context() -> StepContext | None:
     return _CURRENT.get()
 
@@ -156,14 +176,17 @@ class StepContext:
         device: torch.device,
         compute_all: frozenset[int] = frozenset(),
         attention_backend: str | None = None,
-        loader: PipelinedLoader | None = None,
+        block_order: tuple[int, ...] = (),
     ) -> None:
         self.requests = requests
         self.device = device
         self.compute_all = compute_all
         self.attention_backend = attention_backend
+        #: hooked block ids in execution order
+        self.block_order = block_order
         #: when set, cached rows arrive through pipelined staging buffers (host-tier caches)
-        self.loader = loader
+        self.loader: PipelinedLoader | None = None
+        self._loading = False  # this step's loads were handed to the loader
         #: when set, every hooked block reports start/stop to it (the profiler)
         self.timer: BlockTimer | None = None
         self.num_rows = sum(r.num_rows for r in requests)
@@ -278,17 +301,50 @@ class StepContext:
                 out.append((req.start, cached[cached.shape[0] - req.num_rows :]))
         return out
 
+    def start_loads(self, loader: PipelinedLoader, loads: list | None = None) -> None:
+        """Cached rows arrive through `loader` this step. With `loads`, they are enqueued now
+        (eager steps: host -> device DMA); without, at the first block that reads them, as
+        `step_loads()` (the graph form: the copies are part of the captured step)."""
+        self.loader, self._loading = loader, loads is not None
+        if loads is not None:
+            loader.start_step(loads, list(self.block_order))
+
+    def step_loads(self) -> list:
+        """The graph form's loads: for each masked block in order, every cache-reading request's
+        rows of the step its device index names (StepSlice), read in place by a copy kernel."""
+        from instgenie.cache.loader import BlockLoad
+
+        assert self.step_index is not None, "step_loads needs the graph form's step indices"
+        loads = []
+        for b in self.block_order:
+            if not self.is_masked(b):
+                continue
+            sources, shape = [], None
+            for req in self.requests:
+                if req.handle is None:
+                    continue
+                stack = req.handle.block_steps(b, self.device)  # (num_steps, rows, L, C)
+                n = req.num_rows
+                sources.append((req.start, StepSlice(stack[:, stack.shape[1] - n :],
+                                                     self.step_index[req.start])))  # fmt: skip
+                shape = (self.num_rows, stack.shape[2], stack.shape[3])
+            loads.append(BlockLoad(b, shape, sources))
+        return loads
+
     def output_buffer(self, block_id: int, like: torch.Tensor) -> torch.Tensor:
         """(R, L, C) buffer whose cache-reading rows hold the cached block output; other rows
         are uninitialised (their every token is computed and scattered in)."""
         self.masked_blocks.append(block_id)
         if self.loader is not None:
+            if not self._loading:
+                self._loading = True
+                self.loader.start_step(self.step_loads(), list(self.block_order))
             return self.loader.take(block_id)
         out = torch.empty_like(like)
         if self.step_index is not None:
             for req in self.requests:
                 if req.handle is not None:
-                    stack = req.handle.block_steps(block_id)  # (num_steps, rows, L, C)
+                    stack = req.handle.block_steps(block_id, self.device)  # (S, rows, L, C)
                     n = req.num_rows
                     src = stack[:, stack.shape[1] - n :]
                     dst = out[req.start : req.start + n]

@@ -11,6 +11,9 @@ inputs (same seed, prompt, mask) this is the identity, so exact replay is preser
 Loading modes (per step): a cache already on the compute device is read in place (the ideal
 case); a host-tier cache is copied in by the `PipelinedLoader` on a side stream when
 `pipelined` is on, else synchronously on the compute stream before each block ("naive").
+Graph form (a step replayed from a CUDA graph): a host-tier cache in pinned, device-mapped DRAM
+is read by a copy kernel on the loader's side stream, the step index on the device, so the
+loads are part of the captured graph and overlap its compute (decision 0029).
 """
 
 from __future__ import annotations
@@ -62,13 +65,17 @@ class MaskedExecutor:
         #: and the device memory the ring may grow to (then every load is enqueued at once)
         self.staging_buffers = 3
         self.max_staging_bytes = 2 << 30
+        #: the same per CUDA graph that reads host memory (each owns its ring: graphs.max_graphs
+        #: of them may be alive), bytes
+        self.graph_staging_bytes = 512 << 20
         self.loader: PipelinedLoader | None = None
         #: the context of the last step (tests and the step log read it)
         self.last_context: StepContext | None = None
         self._token_cache: tuple | None = None
         #: a BlockTimer attached to every step's context (the profiler sets it)
         self.timer_factory: Callable[[], object] | None = None
-        #: CUDA-graph replay of steps whose composition repeats (engine/graphs.py)
+        #: CUDA-graph replay of steps whose composition repeats (engine/graphs.py); a graph
+        #: whose step reads host memory owns a loader (its ring is part of the graph)
         self.graphs = StepGraphs(device, env.cuda_graphs(), capture=env.graph_capture())
 
     def run_backbone(
@@ -82,12 +89,24 @@ class MaskedExecutor:
         replayed from a CUDA graph when the batch's composition repeats."""
         ctx = self.context(batch)
         dtype = batch[0].latents.dtype
-        if not self.graphs.eligible(ctx, dtype, self.block_order):
-            self.graphs.eager()
-            with use_context(ctx):
-                return fn(*args, **kwargs)
-        key = (composition_key(batch), None if ctx is None else ctx.compute_all)
-        return self.graphs.run(key, ctx, fn, args, kwargs)
+        if self.graphs.eligible(ctx, dtype, self.block_order):
+            key = (composition_key(batch), None if ctx is None else ctx.compute_all)
+            streamed = ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests)
+            loader = self._graph_loader if streamed else None
+            return self.graphs.run(key, ctx, fn, args, kwargs, make_loader=loader)
+        self.graphs.eager()
+        if ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests):
+            ctx.start_loads(self._loader(batch), self._loads(ctx, batch))
+        with use_context(ctx):
+            return fn(*args, **kwargs)
+
+    def _graph_loader(self, dtype: torch.dtype) -> PipelinedLoader:
+        if self.copy_engine is None:
+            self.copy_engine = copy_engine_for(self.device)
+        return PipelinedLoader(
+            self.copy_engine, self.device, dtype, num_buffers=self.staging_buffers,
+            max_staging_bytes=self.graph_staging_bytes,
+        )  # fmt: skip
 
     @property
     def num_blocks(self) -> int:
@@ -112,7 +131,8 @@ class MaskedExecutor:
                 )
             )
             start += s.num_rows
-        ctx = StepContext(rows, self.device, self.compute_all, self.attention_backend)
+        ctx = StepContext(rows, self.device, self.compute_all, self.attention_backend,
+                          tuple(self.block_order))  # fmt: skip
         # token sets depend only on the batch's composition: reuse them across its steps
         key = composition_key(batch)
         if self._token_cache is not None and self._token_cache[0] == key:
@@ -123,9 +143,6 @@ class MaskedExecutor:
             ctx.timer = self.timer_factory()
         if self.planner is not None and ctx.reads_cache:
             ctx.compute_all = self.planner(batch, ctx)
-        if ctx.reads_cache and self._use_loader(rows):
-            ctx.loader = self._loader(batch)
-            ctx.loader.start_step(self._loads(ctx, batch), self.block_order)
         self.last_context = ctx
         return ctx
 
