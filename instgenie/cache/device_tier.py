@@ -180,12 +180,18 @@ class DeviceTierStore:
             return self._used
 
     def stats(self) -> dict[str, Any]:
-        """The host's counters (TieredStore.stats) and this tier's, keys suffixed with its tier
-        name: bytes_<t>, entries_<t> (resident), budget_<t>_bytes, promotions_<t>,
-        demotions_<t> (= evictions_<t>), hits_<t>, promotion_failures_<t>, in_flight_<t>."""
-        self._poll()
+        """The host's counters (TieredStore.stats) and this tier's (tier_stats)."""
         tiered = self.tiered
         out: dict[str, Any] = dict(tiered.stats()) if tiered is not None else {}
+        out.update(self.tier_stats())
+        return out
+
+    def tier_stats(self) -> dict[str, int]:
+        """This tier's counters (cheap: no host lock), keys suffixed with its tier name:
+        bytes_<t>, entries_<t> (resident), budget_<t>_bytes, promotions_<t>, demotions_<t>
+        (= evictions_<t>), hits_<t>, promotion_failures_<t>, in_flight_<t>."""
+        self._poll()
+        out: dict[str, int] = {}
         t = self.tier_name
         with self._lock:
             resident = [c for c in self._hot.values() if c.ready]

@@ -395,18 +395,19 @@ class Loop:
             self.reported = self.batcher.steps
 
     def _cache_counters(self) -> dict[str, float]:
-        """The prompt cache's counters (`prompt_*`), and the host cache's (with the device
-        tier's, when there is one) at most once a second (reading them takes the host lock) or
-        at once after this loop added or deleted an entry."""
+        """The prompt cache's counters (`prompt_*`) and the device tier's (this process's,
+        when there is one), and the host cache's at most once a second (reading them takes the
+        host lock) or at once after this loop added or deleted an entry."""
         out = self.pipe.family.prompts.stats()
-        store = self.pipe.store
-        tiered = getattr(store, "tiered", None)
+        tier_stats = getattr(self.pipe.store, "tier_stats", None)
+        if tier_stats is not None:
+            out.update((k, float(v)) for k, v in tier_stats().items())
+        tiered = getattr(self.pipe.store, "tiered", None)
         now = time.monotonic()
         if tiered is None or (now - self.cache_read_at < 1.0 and not self.cache_changed):
             return out
         self.cache_read_at, self.cache_changed = now, False
-        stats = store.stats() if hasattr(store, "stats") else tiered.stats()
-        out.update((k, float(v)) for k, v in stats.items() if isinstance(v, (int, float)))
+        out.update((k, float(v)) for k, v in tiered.stats().items() if isinstance(v, (int, float)))
         return out
 
 
