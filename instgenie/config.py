@@ -135,6 +135,11 @@ class WorkerConfig:
     cache_dram_bytes: int = 8 << 30
     #: disk tier capacity, bytes (with cache_root); 0 disables the disk tier
     cache_disk_bytes: int = 64 << 30
+    #: device tier above the host cache, bytes (with cache_root): an LRU hot set of templates
+    #: copied into the loop's device memory from their second use on (cache/device_tier.py);
+    #: -1 = auto: 80% of the device's free memory once the model is loaded, less 4 GiB + 10% of
+    #: its total (graph pools, activations), and 0 on a CPU device; 0 = off
+    cache_gpu_bytes: int = -1
     #: fitted latency profile (JSON, `instgenie profile`) for the per-step load planner; ""
     #: = no planner (every cached block is loaded)
     profile: str = ""
@@ -154,6 +159,8 @@ class WorkerConfig:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
+        if not self.cache_gpu_bytes >= -1:
+            raise ValueError(f"cache_gpu_bytes: must be >= -1 (auto), got {self.cache_gpu_bytes}")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat_timeout_s: must be > heartbeat_interval_s "

@@ -33,6 +33,8 @@ BAD_WORKER_VALUES = [
     # 0 means something (restart at once, no disk tier); below 0 does not
     ("restart_backoff_s", -0.1),
     ("cache_disk_bytes", -1),
+    # the device tier: -1 is auto, 0 off
+    ("cache_gpu_bytes", -2),
     # choices
     ("model_stages", "gpu"),
     # a timeout no longer than the heartbeat interval kills healthy children
@@ -63,6 +65,7 @@ def test_worker_config_accepts_the_boundaries_and_the_defaults() -> None:
         step_log_size=1,
         cache_dram_bytes=1,
         cache_disk_bytes=0,  # documented: disables the disk tier
+        cache_gpu_bytes=0,  # documented: no device tier
         restart_backoff_s=0.0,
         start_timeout_s=0.01,
         heartbeat_interval_s=0.01,

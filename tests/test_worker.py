@@ -242,6 +242,32 @@ def test_host_cache_tier_is_reported(tmp_path: Path) -> None:
         seg.unlink()
 
 
+def test_device_tier_serves_the_second_edit(tmp_path: Path) -> None:
+    """With a device tier (explicit budget: auto is off on a CPU device) the first edit of a
+    template reads DRAM and promotes it, the second reads the loop's device copy; the stats
+    carry the tier's bytes, budget and promotions, and hits by the tier that served."""
+    cache = tmp_path / "cache"
+    with _worker(_config(cache_root=str(cache), cache_gpu_bytes=64 << 20)) as (handle, _):
+        c = handle.client
+        tid = "9b" * 32
+        spec = dict(image=png_bytes(make_image(SIZE, SIZE, seed=6)), prompt="", seed=2,
+                    num_inference_steps=2)  # fmt: skip
+        ready = c.register_template(RegisterTemplate(template_id=tid, **spec))
+        assert list(ready.bytes_by_tier) == ["dram"]
+        tiers = [c.run_edit(**_fields(f"t{i}", 2, template_id=tid, image=None)).cache_tier
+                 for i in range(2)]  # fmt: skip
+        assert tiers == ["dram", "cpu"]
+        deadline = time.monotonic() + STEP_DEADLINE_S
+        while not (s := c.stats()).get("cache_promotions_cpu") and time.monotonic() < deadline:
+            time.sleep(0.1)  # the answer may overtake the loop's step log (its cache counters)
+        assert s["cache_hits_dram"] == 1 and s["cache_hits_cpu"] == 1
+        assert s["cache_promotions_cpu"] == 1 and s["cache_budget_cpu_bytes"] == 64 << 20
+        assert 0 < s["cache_bytes_cpu"] <= 64 << 20
+    namespace = hashlib.sha256(str(cache.resolve()).encode()).hexdigest()[:12]
+    for seg in SHM_DIR.glob(f"igc_{namespace}_*"):
+        seg.unlink()
+
+
 def test_dropped_template_is_forgotten_and_can_come_back(cont) -> None:
     handle, _ = cont
     c = handle.client

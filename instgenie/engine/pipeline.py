@@ -322,6 +322,8 @@ class EditPipeline:
         except CacheMiss:  # evicted, or a corrupt/missing disk entry: recompute in full
             state.extras["fallback_reason"] = "the template's cache was evicted or is unreadable"
             return
+        # a handle that knows its tier says it (a device-tier copy that finished meanwhile)
+        tier = getattr(handle, "tier", tier)
         state.path, state.cache_key, state.cache_meta = "masked", key, meta
         state.cache_handle = handle
         state.token_index = {L: m.nonzero().squeeze(1) for L, m in masks.items()}

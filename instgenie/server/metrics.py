@@ -4,7 +4,8 @@ Counted as things happen: HTTP requests by route and status, edits by path and c
 cache hits by tier, edit latency, denoise step time and cache bytes loaded (from the workers'
 step logs). Read at scrape time from the live state: server queue depth, per worker in-flight,
 queue depth, running batch size, up/down, restarts, template states, and the workers' own cache
-counters (`cache_hits_<tier>`, `cache_evictions_<tier>`, ... in their Stats, when reported).
+counters (`cache_hits_<tier>`, `cache_evictions_<tier>`, `cache_promotions_<tier>`, ... in their
+Stats, when reported).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ TIER_ORDER = ("gpu", "cuda", "cpu", "dram", "disk")
 _MIRRORED = {  # worker Stats prefix -> (metric name, help)
     "cache_hits_": ("instgenie_worker_cache_hits", "Template cache hits reported by the worker"),
     "cache_evictions_": ("instgenie_cache_evictions", "Cache entries evicted, by tier"),
+    "cache_promotions_": (
+        "instgenie_cache_promotions",
+        "Template caches copied into the worker's device tier, by tier",
+    ),
     "cache_bytes_loaded_": ("instgenie_worker_cache_bytes_loaded", "Bytes loaded, by tier"),
 }
 

@@ -161,9 +161,10 @@ class ChildRuntime:
         self.outbox.close()
 
     # ---- model ----------------------------------------------------------------------------------
-    def pipeline(self, parts: str, device: str, *, store: bool = True):
+    def pipeline(self, parts: str, device: str, *, store: bool = True, device_tier: bool = False):
         """The role's EditPipeline: only `parts` of the model are materialised; `store`: use the
-        worker's activation store (else an empty in-memory one)."""
+        worker's activation store (else an empty in-memory one); `device_tier`: with a device
+        tier above it (the loop's)."""
         from instgenie.cache.profiler import Profile, check_profile
         from instgenie.engine.family import family_options, load_family
         from instgenie.engine.pipeline import EditPipeline
@@ -178,9 +179,11 @@ class ChildRuntime:
             profile = None  # the planner is the loop's business
         if profile is not None:
             check_profile(profile, family, f"profile {self.wcfg.profile}")
-        cache = make_store(self.config) if store else None
+        cache = None
+        if store:
+            cache = make_store(self.config, family.device, family.dtype, device_tier=device_tier)
         if cache is not None:
-            self._closers.append(cache.tiered.close)
+            self._closers.append(getattr(cache, "close", None) or cache.tiered.close)
         return EditPipeline(family, self.config.limits, cache, profile)
 
 
@@ -191,12 +194,18 @@ def release_bundles(msg: Message) -> None:
             release(value)
 
 
-def make_store(config: Config):
+def make_store(config: Config, device=None, dtype=None, *, device_tier: bool = False):
     """The activation store of a worker process: the loop's device memory, or the host's shared
-    DRAM + disk tiers under worker.cache_root (shared by every process and worker using it)."""
+    DRAM + disk tiers under worker.cache_root (shared by every process and worker using it);
+    with `device_tier` (the loop) and cache_gpu_bytes != 0, under a device tier on `device`
+    keeping stacks in `dtype` (the activations'). Its auto budget (-1) starts at 0 and is set
+    by the loop once the model is loaded (resolve_device_budget); on a CPU device auto is off."""
     w = config.worker
     if not w.cache_root:
         return None  # EditPipeline's default: an InMemoryStore on the family's device
+    import torch
+
+    from instgenie.cache.device_tier import DeviceTierStore
     from instgenie.cache.host_store import HostActivationStore
     from instgenie.cache.tiered import TieredStore
 
@@ -204,7 +213,26 @@ def make_store(config: Config):
     namespace = hashlib.sha256(str(root).encode()).hexdigest()[:12]
     tiered = TieredStore(root, namespace, w.cache_dram_bytes, w.cache_disk_bytes,
                          disk_enabled=w.cache_disk_bytes > 0)  # fmt: skip
-    return HostActivationStore(tiered, root)
+    host = HostActivationStore(tiered, root)
+    budget = w.cache_gpu_bytes
+    if not device_tier or budget == 0 or device is None:
+        return host
+    if budget < 0 and torch.device(device).type != "cuda":
+        return host  # auto on a CPU device: off (cache.device_tier.auto_budget)
+    return DeviceTierStore(host, device, dtype, budget_bytes=max(budget, 0))
+
+
+def resolve_device_budget(config: Config, store: object) -> None:
+    """cache_gpu_bytes = -1 (auto): size the loop's device tier from the free device memory now
+    (call it once the model is loaded and warmed), and log it."""
+    from instgenie.cache.device_tier import DeviceTierStore, auto_budget
+
+    if not isinstance(store, DeviceTierStore):
+        return
+    if config.worker.cache_gpu_bytes < 0:
+        store.set_budget(auto_budget(store.device))
+    log.info("device cache tier (%s): budget %.2f GB%s", store.tier_name, store.budget_bytes / 1e9,
+             " (auto)" if config.worker.cache_gpu_bytes < 0 else "")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

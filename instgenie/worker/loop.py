@@ -51,7 +51,7 @@ from instgenie.messages import (
 )
 from instgenie.tensorshm import pack, release, unpack
 from instgenie.worker.batcher import Batcher, Retired
-from instgenie.worker.child import ChildRuntime, release_bundles
+from instgenie.worker.child import ChildRuntime, release_bundles, resolve_device_budget
 from instgenie.worker.codec import from_parts, inputs_from_parts, to_parts
 from instgenie.worker.names import CAPTURE_PREFIX
 from instgenie.worker.policies import get_policy
@@ -288,7 +288,9 @@ class Loop:
         """TemplateReady for a capture (why == "": ok) with the cache's bytes per tier."""
         tiers = {}
         if not why:
-            tiers = {tier_of(self.pipe.store, key): self.pipe.store.meta(key).nbytes}
+            store = self.pipe.store
+            by_tier = getattr(store, "bytes_by_tier", None)  # a device tier: every tier holding it
+            tiers = by_tier(key) if by_tier else {tier_of(store, key): store.meta(key).nbytes}
         msg = TemplateReady(template_id=template_id, ok=not why, message=why, bytes_by_tier=tiers)
         self.cache_changed = True
         self.rt.send(msg)
@@ -393,10 +395,13 @@ class Loop:
             self.reported = self.batcher.steps
 
     def _cache_counters(self) -> dict[str, float]:
-        """The prompt cache's counters (`prompt_*`), and the host cache's at most once a second
-        (reading them takes the host lock) or at once after this loop added or deleted an
-        entry."""
+        """The prompt cache's counters (`prompt_*`) and the device tier's (this process's,
+        when there is one), and the host cache's at most once a second (reading them takes the
+        host lock) or at once after this loop added or deleted an entry."""
         out = self.pipe.family.prompts.stats()
+        tier_stats = getattr(self.pipe.store, "tier_stats", None)
+        if tier_stats is not None:
+            out.update((k, float(v)) for k, v in tier_stats().items())
         tiered = getattr(self.pipe.store, "tiered", None)
         now = time.monotonic()
         if tiered is None or (now - self.cache_read_at < 1.0 and not self.cache_changed):
@@ -409,7 +414,9 @@ class Loop:
 def run(rt: ChildRuntime) -> None:
     inline = get_policy(rt.wcfg.policy).inline_stages
     stages_here = inline or rt.wcfg.model_stages == "loop"
-    pipe = rt.pipeline("all" if stages_here else "backbone", rt.config.model.device)
+    pipe = rt.pipeline("all" if stages_here else "backbone", rt.config.model.device,
+                       device_tier=True)  # fmt: skip
+    resolve_device_budget(rt.config, pipe.store)  # after the model's load and warm-up
     if not inline:
         forbid_codec_in_this_process()
     loop = Loop(rt, pipe, Stages(pipe) if inline else None)

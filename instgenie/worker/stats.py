@@ -41,6 +41,12 @@ def worker_stats(sup: Supervisor) -> dict[str, float]:
     for k in ("evictions_dram", "evictions_disk", "bytes_dram", "bytes_disk", "corrupt"):
         if k in sup.cache_stats:
             out[f"cache_{k}"] = sup.cache_stats[k]
+    # the loop's device tier (cache/device_tier.py), named by its tier: "gpu" (CUDA) or "cpu"
+    for t in ("gpu", "cpu"):
+        for k in (f"bytes_{t}", f"entries_{t}", f"budget_{t}_bytes", f"promotions_{t}",
+                  f"demotions_{t}", f"evictions_{t}", f"in_flight_{t}"):  # fmt: skip
+            if k in sup.cache_stats:
+                out[f"cache_{k}"] = sup.cache_stats[k]
     # the loop's prompt-encoder cache (model_stages="loop"; pre processes keep their own)
     out.update((k, v) for k, v in sup.cache_stats.items() if k.startswith("prompt_"))
     if sup.steps:  # 0 once the loop reports an empty batch (the gauge must come back down)
