@@ -86,7 +86,7 @@ def test_second_use_is_served_from_the_device_copy_in_the_stacked_layout(host) -
     h = store.open(key)
     assert h.tier == "cpu" and h.device == torch.device("cpu")
     for (s, b), y in data["blocks"].items():
-        stack = h.block_steps(b)
+        stack = h.block_steps(b, h.device)
         assert stack.shape == (STEPS, ROWS, *BLOCK_SHAPES[b]) and stack.is_contiguous()
         assert torch.equal(stack[s], y) and torch.equal(h.block(s, b), y)
     for s, lat in data["latents"].items():
@@ -192,7 +192,7 @@ def test_fp8_host_entries_are_dequantised_for_the_graph_path(tmp_path) -> None:
         cached = host_h.block(1, 0)
         assert isinstance(cached, QuantizedRows)
         dev_h = store.open(key)
-        assert dev_h.block_steps(0).dtype == torch.float32  # the activation dtype
+        assert dev_h.block_steps(0, dev_h.device).dtype == torch.float32  # the activation dtype
         assert torch.equal(dev_h.block(1, 0), cached.dequantize(torch.float32))
         assert store.nbytes == COPY_BYTES  # dequantised bytes
         host_h.close()

@@ -393,9 +393,11 @@ class _DeviceHandle:
     def block(self, step: int, block_id: int) -> torch.Tensor:
         return self._copy.blocks[block_id][step]
 
-    def block_steps(self, block_id: int) -> torch.Tensor:
-        """(num_steps, rows, L, C): the block's output at every step, in the activation dtype."""
-        return self._copy.blocks[block_id]
+    def block_steps(self, block_id: int, device: torch.device) -> torch.Tensor | None:
+        """(num_steps, rows, L, C): the block's output at every step, in the activation dtype,
+        when kernels on `device` read it in place (None on another device)."""
+        stack = self._copy.blocks[block_id]
+        return stack if stack.device == device else None
 
     def latents(self, step: int) -> torch.Tensor:
         return self._copy.latents[step]
