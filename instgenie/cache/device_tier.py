@@ -40,7 +40,13 @@ from typing import Any
 import torch
 
 from instgenie.cache.quant import copy_rows
-from instgenie.cache.store import ActivationStore, CacheWriter, TemplateHandle, TemplateMeta
+from instgenie.cache.store import (
+    ActivationStore,
+    CacheWriter,
+    TemplateHandle,
+    TemplateMeta,
+    on_device,
+)
 from instgenie.cache.store import tier_of as _tier_of
 
 log = logging.getLogger(__name__)
@@ -397,7 +403,7 @@ class _DeviceHandle:
         """(num_steps, rows, L, C): the block's output at every step, in the activation dtype,
         when kernels on `device` read it in place (None on another device)."""
         stack = self._copy.blocks[block_id]
-        return stack if stack.device == device else None
+        return stack if on_device(stack, device) else None
 
     def latents(self, step: int) -> torch.Tensor:
         return self._copy.latents[step]

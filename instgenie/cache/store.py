@@ -60,6 +60,16 @@ class TemplateHandle(Protocol):
     def close(self) -> None: ...
 
 
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether `t` lives on `device`, where an index-less device ("cuda") means its current
+    index (torch.device("cuda") != torch.device("cuda:0"), though they name one card)."""
+    if t.device.type != device.type:
+        return False
+    if device.index is None and device.type == "cuda":
+        return t.device.index == torch.cuda.current_device()
+    return device.index is None or t.device.index == device.index
+
+
 def tier_of(store: object, key: str) -> str:
     """Where `store` holds entry `key` now: "dram" | "disk" (host store) or its device's
     "gpu" | "cpu" (InMemoryStore)."""
@@ -197,7 +207,7 @@ class _MemoryHandle:
         """(num_steps, rows, L, C): the block's output at every step, when kernels on `device`
         can read it in place; else None (fp8 entries, another device)."""
         stack = self._entry.stacked.get(block_id)
-        return stack if stack is not None and stack.device == device else None
+        return stack if stack is not None and on_device(stack, device) else None
 
     def latents(self, step: int) -> torch.Tensor:
         return self._entry.latents[step]
