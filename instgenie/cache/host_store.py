@@ -5,6 +5,10 @@
 - `open` returns a handle whose tensors are zero-copy views of the shared segment (fp8 entries
   come back as QuantizedRows). On CUDA the segment is registered as pinned memory while any
   handle of this process is open, so the pipelined loader's copies are DMA at full bandwidth.
+  A disk-only entry that DRAM cannot take (a template larger than the tier: it was captured
+  straight to disk) is opened as a `disk_stream.StreamedHandle` instead: one step at a time from
+  the file through a small ring of staging buffers pinned once by the store's pool; its tier is
+  "disk". A step failing verification mid-edit raises StreamCorrupt (the entry is quarantined).
 - `meta` (the step schedule an edit must match) is kept next to the cache root as JSON, written
   atomically just before commit, so every process of the host can select the masked path; a
   ready entry without one is removed (and captured again).
@@ -23,6 +27,7 @@ from pathlib import Path
 import torch
 
 from instgenie.cache.disk import CacheMiss, check_key
+from instgenie.cache.disk_stream import StreamedHandle, StreamedTemplate
 from instgenie.cache.hostmem import pin, unpin
 from instgenie.cache.index import EntryInUse
 from instgenie.cache.layout import TemplateLayout
@@ -114,9 +119,12 @@ class HostActivationStore:
         return _StreamingWriter(self, check_key(key), meta)
 
     # ---- read ------------------------------------------------------------------------------
-    def open(self, key: str) -> _HostHandle:
-        """Acquire the entry (loading it from disk into DRAM if needed; CacheMiss if that fails)."""
-        host = self.tiered.acquire(key)
+    def open(self, key: str) -> _HostHandle | StreamedHandle:
+        """Acquire the entry (loading it from disk into DRAM if needed, else streaming it from
+        disk step by step; CacheMiss if that fails)."""
+        host = self.tiered.acquire(key, stream=True)
+        if isinstance(host, StreamedTemplate):
+            return StreamedHandle(host)
         try:
             with self._lock:
                 entry = self._pins.setdefault(key, [0, None])
