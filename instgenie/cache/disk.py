@@ -562,6 +562,12 @@ class EntryWriter:
             self._hashes[i] = checksum(chunk)
             self.tier._pwrite_all(self._fd, chunk, base + a)
 
+    def flush(self) -> None:
+        """Write the data so far to the device (fdatasync): a capture streamed to disk calls
+        it per step in the background, so dirty pages stay bounded and `commit`'s fsync, on the
+        serving loop's thread, has little left to write."""
+        os.fdatasync(self._fd)
+
     def commit(self) -> None:
         if self.done:
             raise RuntimeError("entry writer already committed or aborted")

@@ -3,8 +3,9 @@ time (docs/decisions/0027-disk-tier-streaming.md).
 
 - `DiskTemplateWriter` (chosen by `TieredStore.writer` when DRAM cannot hold the template whole:
   larger than the tier, or the tier full of entries in use) has TemplateWriter's interface. It
-  fills one step in a staging buffer, then hashes and writes that step into the entry's temp
-  file in the background while the next step fills (two step buffers in all), and commits
+  fills one step in a staging buffer, then hashes, writes and fdatasyncs that step into the
+  entry's temp file in the background while the next step fills (two step buffers in all: a
+  disk slower than the capture slows the capture, memory stays bounded), and commits
   atomically: the same file format and index states as a demotion (disk: building -> ready; never
   in DRAM). The file's blocks are reserved up front (`posix_fallocate`): a full disk fails the
   capture before its first step, after one eviction round as for demotions (RELIABILITY #11).
@@ -271,7 +272,13 @@ class DiskTemplateWriter:
     def _write_step(self, step: int, buf: StagingBuffer) -> None:
         assert self._entry is not None
         mv = memoryview(buf.data.numpy())[: self.layout.step_nbytes]
-        self._room(lambda: self._entry.write_step(step, mv))  # type: ignore[union-attr]
+        entry = self._entry
+
+        def write() -> None:
+            entry.write_step(step, mv)
+            entry.flush()  # dirty pages bounded to a step; commit's fsync finds little left
+
+        self._room(write)
 
     def _room(self, write: Callable[[], None]) -> None:
         """Run a write; on ENOSPC evict LRU disk entries and retry once; a second ENOSPC
