@@ -332,6 +332,20 @@ def test_edit_streams_a_template_larger_than_dram_and_matches_dram(tmp_path: Pat
         st = small.stats()
         assert st["streams"] == 1 and st["entries_dram"] == 0 and st["corrupt"] == 0
         assert small.dram.refcounts(key) == {}
+        # a step corrupted on disk fails the edit that reaches it with the typed error (the
+        # serving loop fails that step's batch), and the entry is gone: captured again later
+        path = small.disk.path(key)
+        with open(path, "r+b") as f:
+            f.seek(path.stat().st_size - 1000)  # the last step
+            f.write(b"\x5a" * 8)
+        s = pipe.preprocess(edit2)
+        assert s.path == "masked"  # step 0 verified at open
+        with pytest.raises(StreamCorrupt):
+            while not s.is_done:
+                pipe.denoise_step([s])
+        pipe.release(s)
+        assert pipe.store.status(key) == "absent" and small.stats()["quarantined"] == 1
+        assert pipe.preprocess(edit2).path == "full"
     finally:
         small.close()
         cleanup(ns_disk)

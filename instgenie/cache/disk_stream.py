@@ -99,7 +99,8 @@ class StagingPool:
         self.live, self.live_bytes, self.allocations = 0, 0, 0
 
     def take(self, nbytes: int, count: int) -> list[StagingBuffer]:
-        """`count` buffers of at least nbytes each (free ones reused, smallest fit first)."""
+        """`count` buffers of at least nbytes each (free ones reused, smallest fit first). The
+        taker waits for a buffer's event (StagingBuffer.wait) before writing into it."""
         size = align_up(max(nbytes, 1), PAGE)
         out: list[StagingBuffer] = []
         with self._lock:
@@ -206,6 +207,8 @@ class DiskTemplateWriter:
             self._entry = disk.begin(key, layout)
             self._room(self._entry.preallocate)
             self._bufs = store.staging.take(layout.step_nbytes, 2)
+            for b in self._bufs:
+                b.wait()  # a streamed read's copies out of it may still be in flight
         except BaseException:
             self._release()
             raise
@@ -518,7 +521,8 @@ class StreamedTemplate:
             self._store.staging.give(bufs)
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
+        # a handle dropped without close() would hold its disk reference until process exit
+        if not getattr(self, "_closed", True) and not self._store.dram.in_txn:
             log.warning("StreamedTemplate %s garbage-collected while open: closed", self.key[:12])
             try:
                 self.close()
