@@ -131,7 +131,8 @@ class WorkerConfig:
     #: directory of the host DRAM + disk activation cache; "" = templates cached in the loop's
     #: device memory (lost, and re-captured, when the loop restarts)
     cache_root: str = ""
-    #: host DRAM tier capacity, bytes (with cache_root)
+    #: host DRAM tier capacity, bytes (with cache_root); a template larger than this (or arriving
+    #: while DRAM is full of entries in use) is captured straight to disk and streamed from it
     cache_dram_bytes: int = 8 << 30
     #: disk tier capacity, bytes (with cache_root); 0 disables the disk tier
     cache_disk_bytes: int = 64 << 30

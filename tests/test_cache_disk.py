@@ -11,15 +11,24 @@ import subprocess
 import sys
 import textwrap
 import threading
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from instgenie.cache.disk import MAGIC, PREAMBLE, CacheMiss, CorruptEntry, DiskBusy, DiskTier
+from instgenie.cache.disk import (
+    MAGIC,
+    PREAMBLE,
+    VERSION,
+    CacheMiss,
+    CorruptEntry,
+    DiskBusy,
+    DiskTier,
+    step_chunks,
+)
 from instgenie.cache.layout import TemplateLayout
 
 LAYOUT = TemplateLayout(3, 2, "bfloat16", ((50, 70), (30, 40)), (1, 4, 8, 8))
@@ -47,13 +56,21 @@ def test_round_trip_and_format(tier: DiskTier) -> None:
     buf = rand_buf()
     assert tier.write(K1, LAYOUT, buf)
     raw = tier.path(K1).read_bytes()
-    magic, version, hlen, hcrc = PREAMBLE.unpack_from(raw)
-    assert (magic, version) == (MAGIC, 1) and zlib.crc32(raw[24 : 24 + hlen]) == hcrc
+    magic, version, hlen, hsum = PREAMBLE.unpack_from(raw)
+    assert (magic, version) == (MAGIC, VERSION) == (MAGIC, 2)
+    assert xxhash.xxh3_64_intdigest(raw[24 : 24 + hlen]) == hsum
     header = json.loads(raw[24 : 24 + hlen])
     assert TemplateLayout.from_dict(header["layout"]) == LAYOUT
     assert header["data_bytes"] == LAYOUT.nbytes and header["chunk_bytes"] == 4096
-    assert len(header["crc32"]) == -(-LAYOUT.nbytes // 4096) > 1
+    # chunks never straddle a step: each step is cut into its own pieces
+    per_step = -(-LAYOUT.step_nbytes // 4096)
+    assert len(header["xxh3"]) == LAYOUT.num_steps * per_step > LAYOUT.num_steps
     off = (24 + hlen + 4095) // 4096 * 4096
+    data = raw[off:]
+    for s in range(LAYOUT.num_steps):
+        for i, a, n in step_chunks(LAYOUT, 4096, s):
+            piece = data[s * LAYOUT.step_nbytes + a :][:n]
+            assert int(header["xxh3"][i], 16) == xxhash.xxh3_64_intdigest(piece)
     assert len(raw) == off + LAYOUT.nbytes == tier.file_nbytes(LAYOUT)
     assert raw[off:] == buf.numpy().tobytes()
     assert torch.equal(read(tier, K1), buf)

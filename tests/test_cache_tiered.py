@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from instgenie.cache.disk import CacheMiss, DiskBusy, DiskTier
+from instgenie.cache.disk_stream import DiskTemplateWriter
 from instgenie.cache.dram import cleanup
-from instgenie.cache.index import CacheFull, EntryInUse
+from instgenie.cache.index import EntryInUse
 from instgenie.cache.layout import TemplateLayout
 from instgenie.cache.tiered import TieredStore
 
@@ -148,8 +149,10 @@ def test_entries_in_use_are_never_evicted(store: TieredStore) -> None:
             write(store, k, 10 + i)  # churn: only the unused entry rotates
             assert store.status(KA) == "dram"
         with store.acquire(KD):
-            with pytest.raises(CacheFull):  # both DRAM slots are in use
-                store.writer(KE, LAYOUT)
+            # both DRAM slots are in use: a capture goes straight to disk instead
+            with store.writer(KE, LAYOUT) as w:
+                assert isinstance(w, DiskTemplateWriter)
+                assert store.status(KA) == store.status(KD) == "dram"
             with pytest.raises(EntryInUse):
                 store.delete(KA)
         assert torch.equal(h.block(2, 1), before)

@@ -8,6 +8,10 @@
   and unregistered when the mapping closes: a request pays no registration. The pipelined
   loader's copies are then DMA at full bandwidth, and `block_steps` offers a device view of the
   pinned pages that CUDA-graph steps read in place (engine/graphs.py, decision 0029).
+  A disk-only entry that DRAM cannot take (a template larger than the tier: it was captured
+  straight to disk) is opened as a `disk_stream.StreamedHandle` instead: one step at a time from
+  the file through a small ring of staging buffers pinned once by the store's pool; its tier is
+  "disk". A step failing verification mid-edit raises StreamCorrupt (the entry is quarantined).
 - `meta` (the step schedule an edit must match) is kept next to the cache root as JSON, written
   atomically just before commit, so every process of the host can select the masked path; a
   ready entry without one is removed (and captured again).
@@ -26,6 +30,7 @@ from pathlib import Path
 import torch
 
 from instgenie.cache.disk import CacheMiss, check_key
+from instgenie.cache.disk_stream import StreamedHandle, StreamedTemplate
 from instgenie.cache.hostmem import device_view, pin, unpin
 from instgenie.cache.index import EntryInUse
 from instgenie.cache.layout import TemplateLayout
@@ -120,9 +125,12 @@ class HostActivationStore:
         return _StreamingWriter(self, check_key(key), meta)
 
     # ---- read ------------------------------------------------------------------------------
-    def open(self, key: str) -> _HostHandle:
-        """Acquire the entry (loading it from disk into DRAM if needed; CacheMiss if that fails)."""
-        host = self.tiered.acquire(key)
+    def open(self, key: str) -> _HostHandle | StreamedHandle:
+        """Acquire the entry (loading it from disk into DRAM if needed, else streaming it from
+        disk step by step; CacheMiss if that fails)."""
+        host = self.tiered.acquire(key, stream=True)
+        if isinstance(host, StreamedTemplate):
+            return StreamedHandle(host)
         try:
             self._pin(host)
         except BaseException:

@@ -17,6 +17,16 @@ class CorruptEntry(CacheMiss):
     """The entry failed verification (or could not be read) and was quarantined."""
 
 
+class StaleFormat(CacheMiss):
+    """The entry was written in an older disk format: removed (counted), never misread; the
+    template is captured again."""
+
+
+class StreamCorrupt(CorruptEntry):
+    """A step of an entry streamed from disk failed verification after the edit started: the
+    entry was quarantined and the edit reading it cannot finish (it fails with this error)."""
+
+
 class DiskBusy(CacheMiss):
     """The entry could not be opened now (the process is out of file descriptors or memory):
     a miss for this request, the entry itself is kept."""

@@ -2,9 +2,14 @@
 
 A capture writes straight into a new DRAM segment; commit makes it readable by every process of
 the host. Disk copies are made when capacity pressure demotes an entry (or by `persist`), never on
-the request path. `acquire` hands out zero-copy CPU views and holds a reference, so an entry in use
-is never evicted; an entry that is only on disk is loaded into DRAM first, checksums verified.
-A missing or corrupt disk entry is a CacheMiss: the caller recomputes (counted, quarantined).
+the request path. A template that DRAM cannot hold whole (larger than the tier, or the tier full
+of entries in use) is captured straight to disk instead (`disk_stream.DiskTemplateWriter`): no
+template ever has to fit DRAM. `acquire` hands out zero-copy CPU views and holds a reference, so
+an entry in use is never evicted; an entry that is only on disk is loaded into DRAM first,
+checksums verified, or, with `stream=True` when DRAM cannot take it, read one step at a time
+through a small ring of pinned staging buffers (`disk_stream.StreamedTemplate`; it holds a
+reference on the disk entry). A missing or corrupt disk entry is a CacheMiss: the caller
+recomputes (counted, quarantined).
 
 Status per key: "dram" (ready in DRAM), "disk" (only on disk), "building" (a capture, a load or a
 demotion is in flight) or "absent".
@@ -24,6 +29,12 @@ from typing import Any
 import torch
 
 from instgenie.cache.disk import DEFAULT_CHUNK_BYTES, CacheMiss, DiskBusy, DiskTier, check_key
+from instgenie.cache.disk_stream import (
+    DEFAULT_RING,
+    DiskTemplateWriter,
+    StagingPool,
+    StreamedTemplate,
+)
 from instgenie.cache.dram import DramTier, Segment
 from instgenie.cache.index import READY, CacheFull
 from instgenie.cache.layout import TemplateLayout
@@ -34,12 +45,20 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.005
 
 
+class _NoDramRoom(CacheMiss):
+    """A disk entry DRAM cannot take now (too large, or full of entries in use)."""
+
+
 @dataclass
 class TierCounters:
     hits_dram: int = 0
     hits_disk: int = 0
     misses: int = 0
     prefetches: int = 0
+    #: disk hits read step by step (the entry did not fit DRAM); counted in hits_disk too
+    streams: int = 0
+    #: captures committed straight to disk (the template did not fit DRAM)
+    disk_captures: int = 0
 
 
 class TieredStore:
@@ -55,11 +74,14 @@ class TieredStore:
         clock: Callable[[], float] = time.time,
         wait_timeout_s: float = 300.0,
         recover_interval_s: float = 30.0,
+        stream_ring: int = DEFAULT_RING,
+        staging: StagingPool | None = None,
     ) -> None:
         """Capacities are template bytes (layout.nbytes) per tier. Every process of the host that
         uses the same root and namespace shares the DRAM entries and the disk directory.
         recover_interval_s: after ENOSPC switched the disk tier off, how often (seconds) a new
-        capture or load checks whether the filesystem has room again."""
+        capture or load checks whether the filesystem has room again. stream_ring: step buffers
+        per streamed read; staging: where they (and disk captures' step buffers) come from."""
         self.root = Path(root)
         self.wait_timeout_s = wait_timeout_s
         self.recover_interval_s = recover_interval_s
@@ -79,6 +101,10 @@ class TieredStore:
         self._lock = threading.Lock()
         self._loads: dict[str, Future[None]] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="igc-prefetch")
+        #: step reads of streamed entries, step writes of disk captures (short tasks)
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="igc-io")
+        self.stream_ring = stream_ring
+        self.staging = staging if staging is not None else StagingPool()
         # a start (or restart) retries a disk tier that ENOSPC switched off: the flag is host
         # state and outlives the process, the full filesystem may not have
         if not self.recover_disk():
@@ -113,14 +139,22 @@ class TieredStore:
         out.update(corrupt=d["corrupt"], quarantined=d["quarantined"], enospc=d["enospc"])
         out.update(disk_misses=d["misses"], bytes_read_disk=d["bytes_read"])
         out.update(bytes_written_disk=d["bytes_written"], dead_owners=dr.dead_owners)
+        out.update(stale_format=d["stale_format"], staging_bytes=self.staging.live_bytes)
         return out
 
     # ---- write -----------------------------------------------------------------------------------
-    def writer(self, key: str, layout: TemplateLayout) -> TemplateWriter:
-        """A writer into a new DRAM segment (ValueError if the key exists in any tier; CacheFull
-        if DRAM is full of entries in use)."""
+    def writer(self, key: str, layout: TemplateLayout) -> TemplateWriter | DiskTemplateWriter:
+        """A writer into a new DRAM segment, or, when DRAM cannot hold the template whole (larger
+        than the tier, the tier off, or full of entries in use), straight into a disk entry.
+        ValueError if the key exists in any tier; CacheFull if neither tier can take it."""
         self._maybe_recover_disk(self.disk.file_nbytes(layout))  # demotions may need it
-        return TemplateWriter(self, self.dram.create(check_key(key), layout, fresh=True))
+        try:
+            return TemplateWriter(self, self.dram.create(check_key(key), layout, fresh=True))
+        except CacheFull as dram_full:
+            try:
+                return DiskTemplateWriter(self, key, layout)
+            except CacheFull as disk_full:
+                raise CacheFull(f"{dram_full}; {disk_full}") from disk_full
 
     def persist(self, key: str) -> bool:
         """Copy a ready DRAM entry to disk now (blocking). False when not stored."""
@@ -235,9 +269,11 @@ class TieredStore:
                 t.idx.touch(k, "disk", at=mtime)
 
     # ---- read ------------------------------------------------------------------------------------
-    def acquire(self, key: str) -> HostTemplate:
+    def acquire(self, key: str, stream: bool = False) -> HostTemplate | StreamedTemplate:
         """Zero-copy views of a ready template, held until the handle is closed. Loads from disk
-        first when needed (blocking; waits for an in-flight prefetch). CacheMiss otherwise."""
+        first when needed (blocking; waits for an in-flight prefetch). With `stream`, a disk
+        entry that DRAM cannot take is returned as a StreamedTemplate (read step by step)
+        instead of a miss. CacheMiss otherwise."""
         check_key(key)
         deadline = time.monotonic() + self.wait_timeout_s
         while True:
@@ -255,6 +291,11 @@ class TieredStore:
             if dram == "absent" and disk == READY:
                 try:
                     seg = self._load(key, acquire=True)
+                except _NoDramRoom:
+                    if not stream:
+                        self._count(misses=1)
+                        raise
+                    return self._stream(key)
                 except CacheMiss:
                     self._count(misses=1)
                     raise
@@ -271,9 +312,50 @@ class TieredStore:
                 raise CacheMiss(f"{key[:12]}: timed out waiting for a load")
             time.sleep(_POLL_S)
 
+    def _stream(self, key: str) -> StreamedTemplate:
+        """Open a disk-only entry for step-by-step reads, holding a reference on it."""
+        with self.dram.txn() as t:
+            try:
+                t.idx.acquire(key, "disk", self.dram.owner)
+            except KeyError:
+                self._count(misses=1)
+                raise CacheMiss(f"{key[:12]}: no longer on disk") from None
+        try:
+            h = StreamedTemplate(self, key, self.stream_ring)
+        except BaseException as e:
+            self._release_stream(key)
+            if isinstance(e, CacheMiss):
+                self._count(misses=1)
+                if not isinstance(e, DiskBusy):
+                    self._forget_disk(key)
+            raise
+        self._count(hits_disk=1, streams=1)
+        return h
+
+    def _release_stream(self, key: str) -> None:
+        with self.dram.txn() as t:
+            try:
+                t.idx.release(key, "disk", self.dram.owner)
+            except ValueError:
+                pass  # the entry was forgotten meanwhile (corrupt, tier switched off)
+
+    def _fits_dram(self, key: str) -> bool:
+        """Whether a disk-only entry could be loaded into DRAM at all (its size, the tier)."""
+        with self.dram.txn() as t:
+            e = t.idx.get(key, "disk")
+            cap = t.idx.capacities["dram"] if t.idx.is_enabled("dram") else 0
+            return e is None or e.nbytes <= cap
+
+    def _warm(self, key: str) -> None:
+        """Prefetch of a streamed entry: the kernel reads its first steps ahead."""
+        with self.disk.reader(key) as r:
+            r.advise(0)
+            r.advise(1)
+
     def prefetch(self, key: str) -> Future[None] | None:
         """Start loading a disk-only entry into DRAM in the background; returns at once (None when
-        there is nothing to load). At most one load per key is in flight."""
+        there is nothing to load). At most one load per key is in flight. An entry too large for
+        DRAM (it will be streamed) has its first steps read ahead into the page cache."""
         check_key(key)
         with self._lock:
             fut = self._loads.get(key)
@@ -281,7 +363,8 @@ class TieredStore:
                 return fut
             if self._states(key) != ("absent", READY):
                 return None
-            fut = self._pool.submit(self._load, key, False)
+            load = self._load if self._fits_dram(key) else lambda k, _: self._warm(k)
+            fut = self._pool.submit(load, key, False)
             self._loads[key] = fut
             self.counters.prefetches += 1
         fut.add_done_callback(lambda f: self._forget_load(key, f))
@@ -305,7 +388,7 @@ class TieredStore:
             self._forget_disk(key)
             raise
         except CacheFull as e:
-            raise CacheMiss(f"{key[:12]}: no DRAM room to load it ({e})") from e
+            raise _NoDramRoom(f"{key[:12]}: no DRAM room to load it ({e})") from e
         try:
             assert seg.data is not None
             self.disk.read_into(key, layout, seg.data)
@@ -342,6 +425,8 @@ class TieredStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        self.staging.clear()
         self.dram.close()
 
     def __enter__(self) -> TieredStore:
