@@ -233,3 +233,45 @@ def test_the_serve_and_worker_commands_resolve_before_starting(monkeypatch, caps
         main(["worker", "--model", "sd2-inpaint:tiny"])
     assert seen["worker"].cache_root == root and seen["worker"].cache_disk_bytes > 0
     assert f"activation cache in {root}" in capsys.readouterr().err
+
+
+def test_health_shows_the_gpu_budget_a_worker_reports() -> None:
+    """The loop's cache stats may carry the GPU tier's budget ("budget_gpu_bytes", measured
+    after the model loads): the worker's stats forward it and /health shows it per worker and
+    summed in cache.tiers.gpu; until then the GPU tier's budget is null, saying why."""
+    import time
+    from types import SimpleNamespace
+
+    from instgenie.server.config import ServerConfig
+    from instgenie.server.health import HealthMonitor
+    from instgenie.server.metrics import Metrics
+    from instgenie.server.pool import WorkerSlot
+    from instgenie.worker.stats import worker_stats
+
+    sup = SimpleNamespace(
+        counters={}, flights={}, templates={}, ready=True, step_offset=0, loop_steps=0,
+        children=[], started=time.monotonic(), server=SimpleNamespace(garbage_frames=0),
+        inbox=SimpleNamespace(garbage_frames=0), w=WorkerConfig(cache_root="/c"),
+        bytes_loaded=0, steps=[], latency=[],
+        cache_stats={"budget_gpu_bytes": 3.0 * GIB, "bytes_dram": 5.0},
+    )  # fmt: skip
+    stats = worker_stats(sup)
+    assert stats["cache_budget_gpu_bytes"] == 3 * GIB and stats["cache_bytes_dram"] == 5
+
+    w, cache = resolve_cache(WorkerConfig(), machine()[0])
+    slots = [WorkerSlot(i, Config(worker=w), 4, state="up") for i in range(2)]
+    monitor = HealthMonitor(SimpleNamespace(slots=slots), ServerConfig(), Metrics(),
+                            lambda s, r: None, None, cache)  # fmt: skip
+    report = monitor.cache_report()
+    assert report["root"] == "/home/u/.cache/instgenie/activations"
+    assert list(report["tiers"]) == ["gpu", "dram", "disk"]
+    assert report["tiers"]["gpu"] == {"budget_bytes": None,
+                                      "source": "not reported: no GPU tier above DRAM"}  # fmt: skip
+    assert report["tiers"]["dram"] == {"budget_bytes": w.cache_dram_bytes,
+                                       "source": "auto: 50% of MemAvailable"}  # fmt: skip
+    slots[0].observe(stats, time.monotonic())
+    slots[1].observe({**stats, "cache_budget_gpu_bytes": float(GIB)}, time.monotonic())
+    gpu = monitor.cache_report()["tiers"]["gpu"]
+    assert gpu["budget_bytes"] == 4 * GIB and gpu["source"].startswith("reported by the workers")
+    rows = monitor.report()[1]
+    assert [r["cache_gpu_budget_bytes"] for r in rows] == [3 * GIB, GIB]

@@ -143,8 +143,8 @@ def serve(
         sock.close()
         return 1
     if state is None:
-        print("instgenie: no --cache-root or --state-db: templates and async jobs are kept in "
-              "memory only (lost on restart)", file=sys.stderr, flush=True)  # fmt: skip
+        print("instgenie: no cache root and no --state-db: templates and async jobs are kept "
+              "in memory only (lost on restart)", file=sys.stderr, flush=True)  # fmt: skip
     else:
         print(f"instgenie: state in {path} (templates and finished async jobs survive a "
               "restart)", file=sys.stderr, flush=True)  # fmt: skip
