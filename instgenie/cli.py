@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -276,6 +277,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker in this process (its children are subprocesses) until SIGTERM/SIGINT."""
     import zmq
 
+    from instgenie.cache.budgets import resolve_cache
     from instgenie.config import Config
     from instgenie.engine.family import check_model_config
     from instgenie.logs import setup_process
@@ -298,6 +300,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if config.worker.profile and not Path(config.worker.profile).is_file():
         raise ValidationError("profile", f"{config.worker.profile!r} is not a file")
     setup_process("sup")
+    worker, cache = resolve_cache(config.worker)  # "auto": from the machine (cache/budgets.py)
+    config = dataclasses.replace(config, worker=worker)
+    print(f"instgenie: {cache.describe()}", file=sys.stderr, flush=True)
 
     def ready(msg) -> None:  # one JSON line on stdout: scripts wait for it
         info = {"event": "ready", "address": sup.address, "pid": msg.pid, "model": msg.model,

@@ -128,15 +128,21 @@ class WorkerConfig:
     max_template_attempts: int = 2
     #: step-log entries kept by the supervisor (GetStepLog)
     step_log_size: int = 10_000
-    #: directory of the host DRAM + disk activation cache; "" = templates cached in the loop's
-    #: device memory (lost, and re-captured, when the loop restarts)
-    cache_root: str = ""
-    #: host DRAM tier capacity, bytes (with cache_root); a template larger than this (or arriving
-    #: while DRAM is full of entries in use) is captured straight to disk and streamed from it
-    cache_dram_bytes: int = 8 << 30
-    #: disk tier capacity, bytes (with cache_root); 0 disables the disk tier
-    cache_disk_bytes: int = 64 << 30
-    #: device tier above the host cache, bytes (with cache_root): an LRU hot set of templates
+    #: directory of the host DRAM + disk activation cache (templates found again after a
+    #: restart; its DRAM tier is shared memory, shared by the host's workers); "auto" =
+    #: $INSTGENIE_CACHE_ROOT if set, else $XDG_CACHE_HOME/instgenie/activations, else
+    #: ~/.cache/instgenie/activations (cache/budgets.py); "" (or an empty INSTGENIE_CACHE_ROOT) =
+    #: templates cached in the loop's device memory (lost, and re-captured, when it restarts)
+    cache_root: str = "auto"
+    #: host DRAM tier capacity, bytes (with a cache root); -1 = auto: 50% of MemAvailable,
+    #: capped by the free space of /dev/shm less a reserve (cache/budgets.py); a template larger
+    #: than this (or arriving while DRAM is full of entries in use) is captured straight to disk
+    #: and streamed from it
+    cache_dram_bytes: int = -1
+    #: disk tier capacity, bytes (with a cache root); 0 disables the disk tier; -1 = auto: 50% of
+    #: the free space of the cache root's filesystem (cache/budgets.py)
+    cache_disk_bytes: int = -1
+    #: device tier above the host cache, bytes (with a cache root): an LRU hot set of templates
     #: copied into the loop's device memory from their second use on (cache/device_tier.py);
     #: -1 = auto: 80% of the device's free memory once the model is loaded, less 4 GiB + 10% of
     #: its total (graph pools, activations), and 0 on a CPU device; 0 = off
@@ -162,6 +168,10 @@ class WorkerConfig:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
         if not self.cache_gpu_bytes >= -1:
             raise ValueError(f"cache_gpu_bytes: must be >= -1 (auto), got {self.cache_gpu_bytes}")
+        for name in ("cache_dram_bytes", "cache_disk_bytes"):
+            value, least = getattr(self, name), 1 if name == "cache_dram_bytes" else 0
+            if not (value >= least or value == AUTO_BYTES):
+                raise ValueError(f"{name}: must be >= {least} or {AUTO_BYTES} (auto), got {value}")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat_timeout_s: must be > heartbeat_interval_s "
@@ -177,7 +187,6 @@ _AT_LEAST_ONE = (
     "num_post",
     "max_template_attempts",
     "step_log_size",
-    "cache_dram_bytes",
 )
 #: WorkerConfig durations for which 0 makes no sense (a child would be restarted at once)
 _POSITIVE = (
@@ -187,8 +196,12 @@ _POSITIVE = (
     "stall_timeout_s",
     "stage_timeout_s",
 )
-#: WorkerConfig fields where 0 is meaningful (restart at once; no disk tier)
-_NON_NEGATIVE = ("restart_backoff_s", "cache_disk_bytes")
+#: WorkerConfig fields where 0 is meaningful (restart at once)
+_NON_NEGATIVE = ("restart_backoff_s",)
+#: WorkerConfig.cache_root: derive the cache root from the machine (cache/budgets.py)
+AUTO_ROOT = "auto"
+#: WorkerConfig.cache_dram_bytes / cache_disk_bytes: derive the budget from the machine
+AUTO_BYTES = -1
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Environment flags. The only place the package reads os.environ; every name has the INSTGENIE_
-prefix."""
+prefix, except the XDG base directory XDG_CACHE_HOME."""
 
 from __future__ import annotations
 
@@ -82,3 +82,15 @@ def fault_gate() -> str:
     """INSTGENIE_FAULT_GATE: a file path; the "hold" and "slowenc" faults hold the loop while it
     exists."""
     return os.environ.get("INSTGENIE_FAULT_GATE", "")
+
+
+def cache_root() -> str | None:
+    """INSTGENIE_CACHE_ROOT: the host activation cache's root where --cache-root is "auto" (the
+    default; cache/budgets.py); set and empty = no host cache (templates in the loop's device
+    memory); None when unset."""
+    return os.environ.get("INSTGENIE_CACHE_ROOT")
+
+
+def xdg_cache_home() -> str:
+    """XDG_CACHE_HOME: the user's cache directory (XDG base directories), "" when unset."""
+    return os.environ.get("XDG_CACHE_HOME", "").strip()

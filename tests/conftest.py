@@ -17,6 +17,13 @@ import torch
 # TRITON_INTERPRET=1 still selects the interpreter explicitly).
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+# Hermetic: a config left at cache_root "auto" (the default) takes INSTGENIE_CACHE_ROOT, and an
+# empty one means no host cache (templates in the loop's device memory, as every test that names
+# no cache root expects). Set here, before anything runs, so that the worker and server
+# subprocesses inherit it and nothing ever writes into the user's ~/.cache or /dev/shm segments
+# that outlive the run; tests of the derivation pass their own probes (tests/test_cache_budgets.py)
+# or set the variable themselves.
+os.environ["INSTGENIE_CACHE_ROOT"] = ""
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

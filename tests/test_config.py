@@ -20,6 +20,7 @@ BAD_WORKER_VALUES = [
     ("max_template_attempts", 0),
     ("step_log_size", 0),
     ("cache_dram_bytes", 0),
+    ("cache_dram_bytes", -2),  # -1 = auto (from the machine: cache/budgets.py)
     # durations where 0 would kill/restart a child at once, or spin
     ("start_timeout_s", 0.0),
     ("start_timeout_s", -1.0),
@@ -32,7 +33,7 @@ BAD_WORKER_VALUES = [
     ("stage_timeout_s", 0.0),
     # 0 means something (restart at once, no disk tier); below 0 does not
     ("restart_backoff_s", -0.1),
-    ("cache_disk_bytes", -1),
+    ("cache_disk_bytes", -2),  # -1 = auto
     # the device tier: -1 is auto, 0 off
     ("cache_gpu_bytes", -2),
     # choices
@@ -65,7 +66,7 @@ def test_worker_config_accepts_the_boundaries_and_the_defaults() -> None:
         step_log_size=1,
         cache_dram_bytes=1,
         cache_disk_bytes=0,  # documented: disables the disk tier
-        cache_gpu_bytes=0,  # documented: no device tier
+        cache_root="",  # documented: templates in the loop's device memory
         restart_backoff_s=0.0,
         start_timeout_s=0.01,
         heartbeat_interval_s=0.01,

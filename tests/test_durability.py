@@ -178,9 +178,19 @@ def _template_ready(srv: ServerProcess, tid: str) -> dict:
     return _wait(ready, f"template {tid[:12]} never ready")
 
 
+def _health_cache(srv: ServerProcess) -> dict:
+    cache = srv.health()[1]["cache"]
+    assert cache["tiers"]["gpu"] == {"budget_bytes": None,
+                                     "source": "not reported: no GPU tier above DRAM"}  # fmt: skip
+    return cache
+
+
 def test_templates_and_jobs_survive_a_restart_and_delete_removes_the_cache(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Started without --cache-root, with INSTGENIE_CACHE_ROOT naming the root, then restarted
+    with --cache-root: the same cache, templates and jobs; each start derives the budgets it is
+    not given from the machine, logs them and reports them in /health."""
     root = (tmp_path / "cache").resolve()
     namespace = hashlib.sha256(str(root).encode()).hexdigest()[:12]
     shm = Path("/dev/shm")
@@ -192,8 +202,17 @@ def test_templates_and_jobs_survive_a_restart_and_delete_removes_the_cache(
     tid = hashlib.sha256(image).hexdigest()
     srv = None
     try:
-        srv = ServerProcess("--cache-root", str(root))
+        monkeypatch.setenv("INSTGENIE_CACHE_ROOT", str(root))  # the default "auto" root
+        srv = ServerProcess("--cache-disk-bytes", str(1 << 30))
+        monkeypatch.setenv("INSTGENIE_CACHE_ROOT", "")
         assert f"state in {root / 'server.sqlite3'}" in srv.log()
+        assert f"activation cache in {root} (INSTGENIE_CACHE_ROOT): DRAM " in srv.log()
+        cache = _health_cache(srv)
+        assert (cache["root"], cache["root_source"]) == (str(root), "INSTGENIE_CACHE_ROOT")
+        dram = cache["tiers"]["dram"]
+        assert dram["budget_bytes"] > 0 and dram["budget_bytes"] % (1 << 20) == 0
+        assert dram["source"].startswith("auto: ")
+        assert cache["tiers"]["disk"] == {"budget_bytes": 1 << 30, "source": "flag"}
         files = {"image": ("t.png", image, "image/png")}
         data = {"prompt": "a person", "seed": "3", "num_inference_steps": "2"}
         r = srv.post("/v1/templates", files=files, data=data)
@@ -215,6 +234,11 @@ def test_templates_and_jobs_survive_a_restart_and_delete_removes_the_cache(
         assert set(_index_states(root, key).values()) == {"ready"}
 
         srv = ServerProcess("--cache-root", str(root))
+        cache = _health_cache(srv)
+        assert (cache["root"], cache["root_source"]) == (str(root), "flag")
+        disk = cache["tiers"]["disk"]  # derived now; what the cache already holds counts in
+        assert disk["budget_bytes"] > 0 and disk["source"].startswith("auto: 50% of the free")
+        assert "the cache holds" in disk["source"]
         listed = srv.get("/v1/templates").json()["data"]
         assert [t["id"] for t in listed] == [tid]
         assert listed[0]["prompt"] == "a person" and listed[0]["num_inference_steps"] == 2
@@ -227,9 +251,10 @@ def test_templates_and_jobs_survive_a_restart_and_delete_removes_the_cache(
 
         assert srv.delete(f"/v1/templates/{tid}").json()["deleted"] is True
         assert srv.get(f"/v1/templates/{tid}").status_code == 404
-        # the worker removes the cache from every tier (asynchronously to the answer)
-        _wait(lambda: not segments() and not _index_states(root, key), "cache not removed", 60)
-        assert not list((root / "meta").glob("*.json"))
+        # the worker removes the cache from every tier, then its meta file (asynchronously to
+        # the answer)
+        _wait(lambda: not segments() and not _index_states(root, key)
+              and not list((root / "meta").glob("*.json")), "cache not removed", 60)  # fmt: skip
         assert srv.stop() == 0
         with StateDB(root / "server.sqlite3") as db:  # the deletion is durable too
             assert db.load_templates() == [] and [j.id for j in db.load_jobs()] == [job_id]

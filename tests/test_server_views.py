@@ -83,3 +83,22 @@ def test_a_healthy_start_logs_no_warning_about_ready_workers(srv: ServerProcess)
     assert srv.health()[0] == 200
     ready = [x for x in srv.log().splitlines() if ") ready in " in x]
     assert ready == [], ready
+
+
+def test_health_reports_the_cache_the_workers_were_started_with(srv: ServerProcess) -> None:
+    """The test suite runs with INSTGENIE_CACHE_ROOT empty (tests/conftest.py): the default
+    "auto" root resolves to no host cache, said at start and in /health."""
+    status, body = srv.health()
+    assert status == 200
+    assert body["cache"] == {
+        "root": None,
+        "root_source": "INSTGENIE_CACHE_ROOT is empty",
+        "tiers": {
+            "gpu": {"budget_bytes": None,
+                    "source": "no budget: every template in its loop's device memory"},
+            "dram": {"budget_bytes": None, "source": "no host cache"},
+            "disk": {"budget_bytes": None, "source": "no host cache"},
+        },
+    }  # fmt: skip
+    assert body["workers"][0]["cache_gpu_budget_bytes"] is None
+    assert "instgenie: templates cached in each worker's device memory" in srv.log()

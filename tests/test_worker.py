@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import signal
 import tempfile
 import time
 from contextlib import contextmanager
@@ -219,27 +221,57 @@ def test_template_edit_is_masked_and_exact(cont) -> None:
     assert e.value.code == "invalid_request" and "no template" in e.value.reason
 
 
-def test_host_cache_tier_is_reported(tmp_path: Path) -> None:
+def test_host_cache_tier_is_reported_and_survives_a_loop_restart(tmp_path: Path) -> None:
     """With cache_root the template lives in the host DRAM tier: edits say so, and the worker's
-    stats carry the host cache's bytes and the bytes its steps loaded."""
-    with _worker(_config(cache_root=str(tmp_path / "cache"))) as (handle, _):
-        c = handle.client
-        tid = "9a" * 32
-        spec = dict(image=png_bytes(make_image(SIZE, SIZE, seed=6)), prompt="", seed=2,
-                    num_inference_steps=2)  # fmt: skip
-        ready = c.register_template(RegisterTemplate(template_id=tid, **spec))
-        assert list(ready.bytes_by_tier) == ["dram"] and ready.bytes_by_tier["dram"] > 0
-        done = c.run_edit(**_fields("host", 2, template_id=tid, image=None))
-        assert (done.path, done.cache, done.cache_tier) == ("masked", "hit", "dram")
-        s = c.stats()
-        # on a CUDA device the steps copy cached rows from DRAM; on the CPU they are read in place
-        assert s["cache_hits_dram"] == 1 and s["cache_bytes_loaded_dram"] == 0
-        assert s["cache_bytes_dram"] >= ready.bytes_by_tier["dram"]
-        assert s["cache_evictions_dram"] == 0
-    # the host tier outlives its workers by design; remove this test's segments
+    stats carry the host cache's bytes and the bytes its steps loaded. The tier is shared memory:
+    a loop killed and restarted finds the template's cache still ready (no capture run) and
+    edits take the masked path from DRAM again."""
     namespace = hashlib.sha256(str((tmp_path / "cache").resolve()).encode()).hexdigest()[:12]
-    for seg in SHM_DIR.glob(f"igc_{namespace}_*"):
-        seg.unlink()
+
+    def segments() -> list[str]:
+        return sorted(p.name for p in SHM_DIR.glob(f"igc_{namespace}_*"))
+
+    try:
+        with _worker(_config(cache_root=str(tmp_path / "cache"))) as (handle, pids):
+            c = handle.client
+            tid = "9a" * 32
+            spec = dict(image=png_bytes(make_image(SIZE, SIZE, seed=6)), prompt="", seed=2,
+                        num_inference_steps=2)  # fmt: skip
+            ready = c.register_template(RegisterTemplate(template_id=tid, **spec))
+            assert list(ready.bytes_by_tier) == ["dram"] and ready.bytes_by_tier["dram"] > 0
+            done = c.run_edit(**_fields("host", 2, template_id=tid, image=None))
+            assert (done.path, done.cache, done.cache_tier) == ("masked", "hit", "dram")
+            s = c.stats()
+            # on a CUDA device the steps copy cached rows from DRAM; on the CPU they are read
+            # in place
+            assert s["cache_hits_dram"] == 1 and s["cache_bytes_loaded_dram"] == 0
+            assert s["cache_bytes_dram"] >= ready.bytes_by_tier["dram"]
+            assert s["cache_evictions_dram"] == 0
+
+            # the loop dies (kill -9) and is restarted: the template's segment outlives it
+            held = segments()
+            assert len(held) == 1
+            captures = [e for e in c.step_log() if capture_uid(tid) in dict(e.members)]
+            assert len(captures) == 2  # one capture run of 2 steps
+            loop = int(s["pid_loop_0"])
+            os.kill(loop, signal.SIGKILL)
+            pids.add(loop)
+            deadline = time.monotonic() + 2 * STEP_DEADLINE_S
+            while not ((s := c.stats())["pid_loop_0"] != loop and s["ready"] == 1
+                       and s["templates_ready"] == 1 and s["templates_building"] == 0):  # fmt: skip
+                assert time.monotonic() < deadline, f"the loop never came back: {s}"
+                time.sleep(0.05)
+            assert s["restarts_loop_0"] == 1 and s["templates_failed"] == 0
+            assert segments() == held
+            again = c.run_edit(**_fields("after", 2, template_id=tid, image=None))
+            assert (again.path, again.cache, again.cache_tier) == ("masked", "hit", "dram")
+            assert again.data == done.data  # the same request, the same cache: the same image
+            captures = [e for e in c.step_log() if capture_uid(tid) in dict(e.members)]
+            assert len(captures) == 2, "the template was captured again after the restart"
+    finally:
+        # the host tier outlives its workers by design; remove this test's segments
+        for seg in SHM_DIR.glob(f"igc_{namespace}_*"):
+            seg.unlink()
 
 
 def test_device_tier_serves_the_second_edit(tmp_path: Path) -> None:

@@ -58,8 +58,9 @@ class ServerConfig:
     max_templates: int = 256
     #: SQLite file keeping the registered templates and async jobs across restarts (written
     #: before the API answers; docs/api.md, "What survives a restart"); "" = server.sqlite3
-    #: under --cache-root, or, without a cache root, in memory only (nothing survives);
-    #: "none" = in memory only. One running server per file.
+    #: under the cache root (--cache-root; by default the one derived from the machine), or,
+    #: with --cache-root "", in memory only (nothing survives); "none" = in memory only. One
+    #: running server per file.
     state_db: str = ""
     #: steps of a template, or of an edit of no template, that names none (an edit of a template
     #: that names none runs the template's steps); 0 = the model's default

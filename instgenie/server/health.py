@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from instgenie.cache.budgets import CacheDefaults
 from instgenie.server.config import ServerConfig
 from instgenie.server.metrics import Metrics
 from instgenie.server.pool import WorkerPool, WorkerSlot
@@ -34,8 +35,11 @@ class HealthMonitor:
         metrics: Metrics,
         on_death: Callable[[WorkerSlot, str], None],
         on_poll: Callable[[WorkerSlot], None] | None = None,
+        cache: CacheDefaults | None = None,
     ) -> None:
         self.pool = pool
+        #: the host cache the workers were started with (resolved once by the launcher)
+        self.cache = cache
         self.cfg = cfg
         self.metrics = metrics
         self.on_death = on_death
@@ -138,9 +142,36 @@ class HealthMonitor:
                     "steps_total": int(s.stats.get("steps_total", 0)),
                     "last_stats_age_s": round(now - s.stats_at, 3) if s.stats_at else None,
                     "cost_model": cost_model(s),
+                    "cache_gpu_budget_bytes": gpu_budget(s),
                 }
             )
         return any(r["healthy"] for r in rows), rows
+
+    def cache_report(self) -> dict | None:
+        """/health's "cache": the host cache's root and each tier's budget, bytes, with how it
+        was derived (cache/budgets.py); the GPU tier's budget is each worker's own (its loop
+        measures it after loading the model and reports it in its stats), summed here."""
+        if self.cache is None:
+            return None
+        out = self.cache.to_dict()
+        budgets = [b for b in map(gpu_budget, self.pool.slots) if b is not None]
+        if budgets:
+            gpu = {"budget_bytes": sum(budgets), "source": "reported by the workers' loops "
+                   "(each worker's own: workers[].cache_gpu_budget_bytes)"}  # fmt: skip
+        elif not self.cache.root:
+            gpu = {"budget_bytes": None,
+                   "source": "no budget: every template in its loop's device memory"}  # fmt: skip
+        else:
+            gpu = {"budget_bytes": None, "source": "not reported: no GPU tier above DRAM"}
+        out["tiers"] = {"gpu": gpu, **out["tiers"]}
+        return out
+
+
+def gpu_budget(slot: WorkerSlot) -> int | None:
+    """The GPU tier's budget the worker's loop reports (stats "cache_budget_gpu_bytes"), bytes;
+    None until it reports one."""
+    value = slot.stats.get("cache_budget_gpu_bytes")
+    return None if value is None else int(value)
 
 
 def cost_model(slot: WorkerSlot) -> str | None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from instgenie.cache.budgets import CacheDefaults, resolve_cache
 from instgenie.config import Config, LimitsConfig, ModelConfig, WorkerConfig
 from instgenie.engine.sizing import native_side, resolve_limits
 from instgenie.logs import setup_process
@@ -90,7 +91,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def state_path(server: ServerConfig, worker: WorkerConfig) -> Path | None:
-    """Where the server keeps its state (ServerConfig.state_db); None: in memory only."""
+    """Where the server keeps its state (ServerConfig.state_db); None: in memory only. `worker`'s
+    cache root is resolved (resolve_cache)."""
     if server.state_db.lower() == "none":
         return None
     if server.state_db:
@@ -116,6 +118,10 @@ def serve(
         return EXIT_BAD_CONFIG
     # max_image_pixels = 0: the family's default, resolved once for the server and its workers
     limits = resolve_limits(limits, native_side(model.model))
+    # the cache root and the host tiers' budgets ("auto": from the machine), resolved once too:
+    # every worker, this log and /health show the same values
+    worker, cache = resolve_cache(worker)
+    print(f"instgenie: {cache.describe()}", file=sys.stderr, flush=True)
     configs = [
         Config(model=dataclasses.replace(model, device=d), limits=limits, worker=worker)
         for d in devices
@@ -137,13 +143,13 @@ def serve(
         sock.close()
         return 1
     if state is None:
-        print("instgenie: no --cache-root or --state-db: templates and async jobs are kept in "
-              "memory only (lost on restart)", file=sys.stderr, flush=True)  # fmt: skip
+        print("instgenie: no cache root and no --state-db: templates and async jobs are kept "
+              "in memory only (lost on restart)", file=sys.stderr, flush=True)  # fmt: skip
     else:
         print(f"instgenie: state in {path} (templates and finished async jobs survive a "
               "restart)", file=sys.stderr, flush=True)  # fmt: skip
     try:
-        return _serve(model, devices, server, configs, sock, state)
+        return _serve(model, devices, server, configs, sock, state, cache)
     finally:
         if state is not None:
             state.close()
@@ -156,6 +162,7 @@ def _serve(
     configs: list[Config],
     sock: socket.socket,
     state: StateDB | None,
+    cache: CacheDefaults,
 ) -> int:
     # imported after the bind: the worker client pulls in torch, seconds of start-up
     from instgenie.server.app import create_app
@@ -181,7 +188,7 @@ def _serve(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    runtime = Runtime(pool, server, configs[0].limits, state)
+    runtime = Runtime(pool, server, configs[0].limits, state, cache)
     app = create_app(runtime)
     uv_config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5

@@ -29,7 +29,8 @@ async def health(request: Request) -> JSONResponse:
     status = "unhealthy" if not ok else "ok"
     if ok and any(w["status"] == "degraded" for w in workers):
         status = "degraded"
-    body = {"status": status, "draining": rt.draining, "workers": workers}
+    body = {"status": status, "draining": rt.draining, "cache": rt.health.cache_report(),
+            "workers": workers}  # fmt: skip
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

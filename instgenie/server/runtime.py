@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from instgenie.cache.budgets import CacheDefaults, resolve_cache
 from instgenie.config import LimitsConfig
 from instgenie.engine.imageio import decode_mask, mask_ratio
 from instgenie.engine.sizing import native_side, resolve_limits, working_size
@@ -60,6 +61,7 @@ class Runtime:
         cfg: ServerConfig,
         limits: LimitsConfig,
         state: StateDB | None = None,
+        cache: CacheDefaults | None = None,
     ) -> None:
         self.pool = pool
         self.cfg = cfg
@@ -73,8 +75,15 @@ class Runtime:
         self.state = state  # templates and jobs survive a restart in it; None: in memory only
         self.templates = TemplateRegistry(pool, cfg, state)
         self.jobs = JobTable(cfg.max_jobs, cfg.job_ttl_s, cfg.retry_after_s, state)
+        # the host cache as the launcher resolved it (None: from the workers' configs)
+        cache = cache or resolve_cache(pool.slots[0].config.worker)[1]
         self.health = HealthMonitor(
-            pool, cfg, self.metrics, self.on_worker_death, lambda _slot: self.dispatcher.pump()
+            pool,
+            cfg,
+            self.metrics,
+            self.on_worker_death,
+            lambda _slot: self.dispatcher.pump(),
+            cache,
         )
         self.metrics.add_live(self._live)
         self._restarts: set[asyncio.Future] = set()

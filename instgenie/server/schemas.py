@@ -304,11 +304,51 @@ class WorkerHealth(BaseModel):
         description="how the mask-aware router prices this worker: its fitted latency profile, "
         "FLOPs (no profile), or null (no cost spec yet: routed by load)"
     )
+    cache_gpu_budget_bytes: int | None = Field(
+        None,
+        description="the GPU tier's budget this worker's loop reports, bytes; null until "
+        "it reports one",
+    )
+
+
+class TierBudget(BaseModel):
+    budget_bytes: int | None = Field(
+        description="the most bytes of templates' caches the tier holds; null: not used or "
+        "not reported"
+    )
+    source: str = Field(
+        description='how the budget was derived: "flag" (given), "auto: ..." (from the '
+        "machine: a share of MemAvailable, of the cache root's free disk space; for the GPU "
+        "tier, measured by each worker's loop), or why there is none"
+    )
+
+
+class CacheTiers(BaseModel):
+    gpu: TierBudget
+    dram: TierBudget
+    disk: TierBudget
+
+
+class CacheHealth(BaseModel):
+    root: str | None = Field(
+        description="the host cache's directory (absolute); null: no host cache, templates "
+        "are cached in each worker's device memory"
+    )
+    root_source: str = Field(
+        description='how the root was chosen: "flag", "INSTGENIE_CACHE_ROOT", '
+        '"auto: ~/.cache/instgenie/activations", ...'
+    )
+    tiers: CacheTiers
 
 
 class HealthResponse(BaseModel):
     status: Literal["ok", "degraded", "unhealthy"]
     draining: bool
+    cache: CacheHealth | None = Field(
+        None,
+        description="the activation cache the workers were started with (resolved once "
+        'at start: --cache-root and the tiers\' budgets, from the machine where "auto")',
+    )
     workers: list[WorkerHealth]
 
 

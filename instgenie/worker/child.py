@@ -18,7 +18,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from instgenie.cache.budgets import cache_namespace, is_resolved
 from instgenie.config import Config, from_dict
 from instgenie.engine.imageio import codec_allowed
 from instgenie.errors import EXIT_MODEL_LOAD, ModelLoadError
@@ -201,6 +201,8 @@ def make_store(config: Config, device=None, dtype=None, *, device_tier: bool = F
     keeping stacks in `dtype` (the activations'). Its auto budget (-1) starts at 0 and is set
     by the loop once the model is loaded (resolve_device_budget); on a CPU device auto is off."""
     w = config.worker
+    if not is_resolved(w):  # the Supervisor resolves before any child starts
+        raise ValueError("make_store: the cache settings are not resolved (resolve_cache)")
     if not w.cache_root:
         return None  # EditPipeline's default: an InMemoryStore on the family's device
     import torch
@@ -210,7 +212,7 @@ def make_store(config: Config, device=None, dtype=None, *, device_tier: bool = F
     from instgenie.cache.tiered import TieredStore
 
     root = Path(w.cache_root).resolve()
-    namespace = hashlib.sha256(str(root).encode()).hexdigest()[:12]
+    namespace = cache_namespace(w.cache_root)
     tiered = TieredStore(root, namespace, w.cache_dram_bytes, w.cache_disk_bytes,
                          disk_enabled=w.cache_disk_bytes > 0)  # fmt: skip
     host = HostActivationStore(tiered, root)

@@ -47,6 +47,8 @@ def worker_stats(sup: Supervisor) -> dict[str, float]:
                   f"demotions_{t}", f"evictions_{t}", f"in_flight_{t}"):  # fmt: skip
             if k in sup.cache_stats:
                 out[f"cache_{k}"] = sup.cache_stats[k]
+    # every tier budget the loop reports (e.g. "budget_gpu_bytes", measured after model load)
+    out.update((f"cache_{k}", v) for k, v in sup.cache_stats.items() if k.startswith("budget_"))
     # the loop's prompt-encoder cache (model_stages="loop"; pre processes keep their own)
     out.update((k, v) for k, v in sup.cache_stats.items() if k.startswith("prompt_"))
     if sup.steps:  # 0 once the loop reports an empty batch (the gauge must come back down)

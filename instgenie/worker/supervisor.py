@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from instgenie.cache.budgets import is_resolved, resolve_cache
 from instgenie.config import Config, from_dict
 from instgenie.errors import EXIT_MODEL_LOAD
 from instgenie.ipc import Channel, Server, ipc_address, poll
@@ -89,7 +90,11 @@ class Supervisor(ChildProcesses):
         allow_remote: bool = False,
         on_ready: Callable[[WorkerReady], None] | None = None,
     ) -> None:
-        self.config = config
+        if not is_resolved(config.worker):  # `auto` cache settings: from the machine, once
+            worker, cache = resolve_cache(config.worker)
+            log.info("%s", cache.describe())
+            config = dataclasses.replace(config, worker=worker)
+        self.config = config  # what every child gets
         self.on_ready = on_ready  # called once, when every child first reports ready
         self.w = config.worker
         self.inline = get_policy(self.w.policy).inline_stages
