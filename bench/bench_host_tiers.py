@@ -6,9 +6,11 @@ Variants (each runs the same edits, 20 steps, batch 1 and batch B joined togethe
   gpu            InMemoryStore on the device, CUDA graphs (the serving default without a cache root)
   dram-eager     HostActivationStore, graphs off: eager steps, cached rows DMA'd by the pipelined
                  loader (what the serving path did before decision 0029)
-  dram-inline    graphs on, cached rows read by the step-copy kernel from the pinned pages on the
-                 compute stream (no overlap)
-  dram-graph     graphs on, the copies on the composition's own side-stream loader inside the graph
+  dram-view      graphs on, no step windows: the copy kernel reads the pinned pages over PCIe on
+                 the composition's own side-stream loader, inside the graph
+  dram-window    graphs on, device step windows (the default): each step DMA'd one step ahead
+  disk-eager     a template larger than DRAM, streamed from disk, eager (no windows)
+  disk-window    the same with device step windows (graphs on)
 Also: the cost of pinning one template's segment (what every request paid before) and of a
 later open (the mapping is kept).
 
@@ -49,8 +51,16 @@ from instgenie.engine.templates import TemplateSpec  # noqa: E402
 def edit_batch(pipe: EditPipeline, keys: list[str], masks: list[bytes], steps: int) -> dict:
     """Denoise len(keys) edits joined together; per-step CUDA times and the final latents."""
     reqs = [
-        EditRequest(uid=f"e{i}", image=None, template_id=k, mask=m, prompt="a red jacket",
-                    seed=40 + i, num_inference_steps=steps, paste_back=False)  # fmt: skip
+        EditRequest(
+            uid=f"e{i}",
+            image=None,
+            template_id=k,
+            mask=m,
+            prompt="a red jacket",
+            seed=40 + i,
+            num_inference_steps=steps,
+            paste_back=False,
+        )  # fmt: skip
         for i, (k, m) in enumerate(zip(keys, masks, strict=True))
     ]
     states = [pipe.preprocess(r) for r in reqs]
@@ -80,6 +90,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", default=None, help="fitted profile: the load planner on")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -92,6 +103,10 @@ def main() -> None:
     host = HostActivationStore(tiered, root)
     gpu = EditPipeline(fam, store=InMemoryStore(dev))
     dram = EditPipeline(fam, store=host)
+    # DRAM smaller than one template: captured straight to disk, streamed back step by step
+    ns_disk = uuid.uuid4().hex[:10]
+    small = TieredStore(root / "disk", ns_disk, 1 << 30, 60 << 30)
+    disk = EditPipeline(fam, store=HostActivationStore(small, root / "disk"))
     result: dict = {"env": environment(dev), "model": args.model, "size": size,
                     "steps": args.steps, "batch": args.batch, "ratio": args.ratio,
                     "argv": sys.argv, "rows": []}  # fmt: skip
@@ -101,12 +116,12 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         out.write_text(json.dumps(result, indent=1))
 
-    keys: dict[str, list[str]] = {"gpu": [], "dram": []}
+    keys: dict[str, list[str]] = {"gpu": [], "dram": [], "disk": []}
     for seed in (0, 1):
         png = encode_image(template_image(size), "png")
         spec = TemplateSpec(image=png, prompt=f"a person {seed}", seed=seed,
                             num_inference_steps=args.steps)  # fmt: skip
-        for name, pipe in (("gpu", gpu), ("dram", dram)):
+        for name, pipe in (("gpu", gpu), ("dram", dram), ("disk", disk)):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             keys[name].append(pipe.build_template(spec))
@@ -136,19 +151,30 @@ def main() -> None:
     save(result["pin"])
 
     ex = fam.masked
+    if args.profile:
+        from instgenie.cache.costmodel import StepCostModel
+        from instgenie.cache.profiler import Profile
+
+        ex.planner = StepCostModel.for_family(Profile.load_file(args.profile), fam).plan
     masks = [encode_image(ratio_mask(size, size, args.ratio + 0.02 * i, fam.granule), "png")
              for i in range(args.batch)]  # fmt: skip
-    variants = [("gpu", gpu, "all", "auto"), ("dram-eager", dram, "off", "auto"),
-                ("dram-inline", dram, "all", "naive"), ("dram-graph", dram, "all", "auto")]  # fmt: skip
+    # (name, pipeline, graph mode, step windows)
+    variants = [
+        ("gpu", gpu, "all", "auto"), ("dram-eager", dram, "off", "off"),
+        ("dram-view", dram, "all", "off"), ("dram-window", dram, "all", "auto"),
+        ("disk-eager", disk, "off", "off"), ("disk-window", disk, "all", "auto"),
+    ]  # fmt: skip
+    graphs = {name: StepGraphs(dev, mode) for name, _, mode, _ in variants}
     for n in sorted({1, args.batch}):
         row: dict = {"batch": n}
         ref = None
         for rep in range(args.repeats + 1):  # rep 0 warms up (captures) every variant
-            for name, pipe, mode, loading in variants:
-                ex.graphs = StepGraphs(dev, mode)
-                ex.loading = loading
-                ks = [keys["gpu" if name == "gpu" else "dram"][i % 2] for i in range(n)]
+            for name, pipe, _, windows in variants:
+                ex.graphs, ex.windows = graphs[name], windows
+                ks = [keys[name.split("-")[0]][i % 2] for i in range(n)]
+                before = dict(ex.graphs.counters)
                 r = edit_batch(pipe, ks, masks[:n], args.steps)
+                calls = {k: v - before[k] for k, v in ex.graphs.counters.items()}
                 if rep == 0:
                     if ref is None:
                         ref = r["latents"]
@@ -159,17 +185,20 @@ def main() -> None:
                     continue
                 row.setdefault(f"s_{name}", []).append(round(r["s"], 4))
                 row.setdefault(f"step_ms_{name}", []).append(
-                    round(statistics.median(r["step_ms"]), 2))
-                row[f"graphs_{name}"] = dict(ex.graphs.counters)
+                    round(statistics.median(r["step_ms"]), 2)
+                )
+                row[f"graphs_{name}"] = calls  # the last repeat's steps by kind
                 row[f"bytes_per_step_{name}"] = int(statistics.median(r["bytes"]))
         for name, *_ in variants:
             row[f"median_s_{name}"] = statistics.median(row[f"s_{name}"])
-        row["dram_graph_vs_gpu"] = round(row["median_s_dram-graph"] / row["median_s_gpu"], 3)
-        row["dram_eager_vs_gpu"] = round(row["median_s_dram-eager"] / row["median_s_gpu"], 3)
+        for name, *_ in variants[1:]:
+            row[f"{name}_vs_gpu"] = round(row[f"median_s_{name}"] / row["median_s_gpu"], 3)
         result["rows"].append(row)
         save(row)
     tiered.close()
+    small.close()
     cleanup(ns)
+    cleanup(ns_disk)
     save({"done": True})
 
 

@@ -332,6 +332,16 @@ def test_edit_streams_a_template_larger_than_dram_and_matches_dram(tmp_path: Pat
         st = small.stats()
         assert st["streams"] == 1 and st["entries_dram"] == 0 and st["corrupt"] == 0
         assert small.dram.refcounts(key) == {}
+        # through a device step window (what CUDA does): the staging ring's steps are copied a
+        # step ahead into the window, and the edit is the same
+        ex = pipe.family.masked
+        ex.windows = "on"
+        try:
+            win_state, win = _edit_image(pipe, edit2, StreamedHandle)
+        finally:
+            ex.windows = "auto"
+        assert torch.equal(win_state.latents, want_state.latents) and win.data == want.data
+        assert ex._windows[-1].bytes_copied > 0 and ex._windows[-1].stacks == {}  # closed
         # a step corrupted on disk fails the edit that reaches it with the typed error (the
         # serving loop fails that step's batch), and the entry is gone: captured again later
         path = small.disk.path(key)

@@ -20,6 +20,7 @@ from instgenie.cache.dram import cleanup
 from instgenie.cache.host_store import HostActivationStore
 from instgenie.cache.store import InMemoryStore
 from instgenie.cache.tiered import TieredStore
+from instgenie.cache.window import SLOTS
 from instgenie.engine.graphs import (
     COST_MIN_SAMPLES,
     COST_SAMPLES,
@@ -106,12 +107,13 @@ def test_graph_form_equals_plain_path(family: str, step_copy: str, monkeypatch) 
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("loading", ["auto", "pipelined"])
+@pytest.mark.parametrize("loading", ["auto", "pipelined", "window"])
 def test_graph_form_reads_host_memory(family: str, loading: str, tmp_path) -> None:
     """Caches in the host DRAM tier (shared memory): the graph form reads each request's step
-    from the segment in place ("auto" on CPU; on CUDA the pinned pages' device view), or through
-    the composition's own loader whose copies are part of the step ("pipelined"; what a CUDA
-    graph captures for host caches, decision 0029). Both equal the plain path exactly."""
+    from the segment in place ("auto" on CPU; on CUDA the pinned pages' device view), through
+    the composition's own loader whose copies are part of the step ("pipelined"), or from a
+    device step window DMA'd one step ahead, at slot step % 2 ("window": what CUDA does by
+    default, decision 0029). All equal the plain path exactly."""
     ns = uuid.uuid4().hex[:10]
     tiered = TieredStore(tmp_path, ns, 256 << 20, 0, disk_enabled=False)
     try:
@@ -128,7 +130,10 @@ def test_graph_form_reads_host_memory(family: str, loading: str, tmp_path) -> No
         plain = _run_staggered(pipe, reqs)
         ex.graphs = StepGraphs(ex.device, "all")
         ex.graphs.force_static = True
-        ex.loading = loading
+        if loading == "window":
+            ex.windows = "on"
+        else:
+            ex.loading = loading
         loaders = []
         make = ex._graph_loader
         ex._graph_loader = lambda dtype: loaders.append(make(dtype)) or loaders[-1]
@@ -143,6 +148,10 @@ def test_graph_form_reads_host_memory(family: str, loading: str, tmp_path) -> No
             assert all(ld.bytes_loaded > 0 for ld in loaders)
         else:
             assert loaders == []
+        # a window per cache-reading request, each step copied into it once
+        windows = ex._windows
+        assert len(windows) == (3 if loading == "window" else 0)
+        assert all(w.bytes_copied == STEPS * w.nbytes // SLOTS for w in windows)
     finally:
         tiered.close()
         cleanup(ns)

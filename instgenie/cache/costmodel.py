@@ -3,7 +3,8 @@
 For the batch of one step and every hooked block b (execution order): the predicted latency of
 computing the batch's masked tokens ("cached" fit of b's class at the batch's FLOPs), of
 computing every token ("full" fit), and of loading the cache-reading requests' rows of b (the
-tier's load fit at their bytes, one copy per request; zero for device-resident caches). The
+tier's load fit at their bytes, one copy per request; zero for device-resident caches and for
+host caches read through a device step window). The
 planner (planner.plan_step) turns these into the set of blocks that compute all tokens.
 """
 
@@ -46,7 +47,10 @@ class StepCostModel:
                 n = s.token_index[L].numel() if reads else L
                 masked_rows += [n] * s.num_rows
                 full_rows += [L] * s.num_rows
-                if reads and s.cache_handle.device != self.device:
+                # a host cache with a device step window is copied a step ahead, off the
+                # critical path (cache/window.py): priced as device-resident
+                host = reads and s.cache_handle.device != self.device
+                if host and getattr(s.cache_handle, "window", None) is None:
                     nbytes = cached_bytes(L, C, s.num_rows, s.cache_meta.cache_dtype)
                     loads += self.profile.load_ms("dram", nbytes)
             d = self.dims[b]

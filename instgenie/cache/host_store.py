@@ -37,6 +37,7 @@ from instgenie.cache.layout import TemplateLayout
 from instgenie.cache.quant import FP8, QuantizedRows, quantize_rows
 from instgenie.cache.store import TemplateMeta
 from instgenie.cache.tiered import HostTemplate, TieredStore
+from instgenie.cache.window import WindowedHandle
 
 __all__ = ["CacheMiss", "HostActivationStore"]
 
@@ -167,23 +168,28 @@ def _unpin_segment(seg) -> None:
     unpin(seg.data)
 
 
-class _HostHandle:
+class _HostHandle(WindowedHandle):
     device = torch.device("cpu")
 
     def __init__(self, host: HostTemplate) -> None:
         self._host = host
+        self.layout = host.layout
         self._fp8 = host.layout.fp8_scales
 
-    def block(self, step: int, block_id: int) -> torch.Tensor | QuantizedRows:
+    def host_block(self, step: int, block_id: int) -> torch.Tensor | QuantizedRows:
+        """The block's rows of `step` in the shared segment (zero-copy)."""
         y = self._host.block(step, block_id)
         return QuantizedRows(y, self._host.scales(step, block_id)) if self._fp8 else y
 
     def block_steps(self, block_id: int, device: torch.device) -> torch.Tensor | None:
-        """(num_steps, rows, L, C) of the block, readable by kernels on `device` in place: a view
-        of the pinned pages on CUDA, the shared segment itself on CPU. None when there is none
-        (fp8 entries, or unpinned memory on CUDA)."""
-        if self._fp8 or self._host.closed:
+        """(num_steps, rows, L, C) of the block, readable by kernels on `device` in place (index
+        it with slot(step)): the step window's slots when attached; else a view of the pinned
+        pages on CUDA, the shared segment itself on CPU. None when there is none (fp8 entries,
+        or unpinned memory on CUDA)."""
+        if self._fp8 or self._host is None or self._host.closed:
             return None
+        if self.window is not None:
+            return self.window_steps(block_id, device)
         seg, layout = self._host.segment, self._host.layout
         if device.type == "cpu":
             return layout.block_steps_view(self._host.data, block_id)
@@ -198,6 +204,7 @@ class _HostHandle:
         return self._host.latents(step)
 
     def close(self) -> None:
+        self.close_window()
         if self._host is not None:
             self._host.close()
             self._host = None

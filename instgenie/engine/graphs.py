@@ -298,7 +298,8 @@ class StepGraphs:
         """Each cache-reading request's step index into the scalar its graph reads."""
         for req in ctx.requests:
             if req.handle is not None:
-                entry.step_index[req.start].fill_(req.step)
+                slot = getattr(req.handle, "slot", None)  # host windows: step % slots
+                entry.step_index[req.start].fill_(req.step if slot is None else slot(req.step))
 
     def eager(self) -> None:
         """Record that a step ran without graphs."""

@@ -18,6 +18,7 @@ loads are part of the captured graph and overlap its compute (decision 0029).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 
 from instgenie import env
 from instgenie.cache.loader import BlockLoad, CopyEngine, PipelinedLoader, copy_engine_for
+from instgenie.cache.window import SLOTS, StepWindow
 from instgenie.engine.attention import resolve_backend
 from instgenie.engine.graphs import StepGraphs
 from instgenie.engine.masked import hooks
@@ -68,6 +70,12 @@ class MaskedExecutor:
         #: the same per CUDA graph that reads host memory (each owns its ring: graphs.max_graphs
         #: of them may be alive), bytes
         self.graph_staging_bytes = 512 << 20
+        #: device step windows for host-tier caches (cache/window.py): "auto" = on CUDA, "on"
+        #: (tests: CPU too), "off"; and the device memory all live windows may take, bytes (an
+        #: SDXL 1024² request's window is 0.84 GB, a Flux one's 2.9 GB)
+        self.windows = "auto"
+        self.window_budget_bytes = 16 << 30
+        self._windows: list[StepWindow] = []
         self.loader: PipelinedLoader | None = None
         #: the context of the last step (tests and the step log read it)
         self.last_context: StepContext | None = None
@@ -87,18 +95,53 @@ class MaskedExecutor:
     ) -> torch.Tensor:
         """fn(*args, **kwargs) — the backbone call of one step — under this step's context,
         replayed from a CUDA graph when the batch's composition repeats."""
-        ctx = self.context(batch)
         dtype = batch[0].latents.dtype
-        if self.graphs.eligible(ctx, dtype, self.block_order):
-            key = (composition_key(batch), None if ctx is None else ctx.compute_all)
-            streamed = ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests)
-            loader = self._graph_loader if streamed else None
-            return self.graphs.run(key, ctx, fn, args, kwargs, make_loader=loader)
-        self.graphs.eager()
-        if ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests):
-            ctx.start_loads(self._loader(batch), self._loads(ctx, batch))
-        with use_context(ctx):
-            return fn(*args, **kwargs)
+        windows = self._prepare_windows(batch, dtype)  # before the plan: windows load nothing
+        ctx = self.context(batch)
+        try:
+            if self.graphs.eligible(ctx, dtype, self.block_order):
+                key = (composition_key(batch), None if ctx is None else ctx.compute_all)
+                streamed = ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests)
+                loader = self._graph_loader if streamed else None
+                return self.graphs.run(key, ctx, fn, args, kwargs, make_loader=loader)
+            self.graphs.eager()
+            if ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests):
+                ctx.start_loads(self._loader(batch), self._loads(ctx, batch))
+            with use_context(ctx):
+                return fn(*args, **kwargs)
+        finally:
+            for window, step in windows:
+                window.done(step)
+
+    def _prepare_windows(self, batch: list[RequestState], dtype: torch.dtype) -> list:
+        """Give host-tier handles a device step window (within window_budget_bytes) and make
+        this step's rows ready in it (cache/window.py): their steps then read device memory,
+        DMA'd one step ahead, like a GPU-resident cache. Returns (window, step) pairs."""
+        if self.windows == "off" or (self.windows == "auto" and self.device.type != "cuda"):
+            return []
+        out = []
+        for state in batch:
+            h = state.cache_handle
+            if h is None or not hasattr(h, "attach_window"):
+                continue
+            if h.window is None:
+                spec = h.window_spec()
+                if spec is None or spec[2] != dtype:
+                    continue
+                shapes, num_steps, _ = spec
+                need = SLOTS * sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
+                self._windows = [w for w in self._windows if w.stacks]  # drop closed ones
+                if sum(w.nbytes for w in self._windows) + need > self.window_budget_bytes:
+                    continue  # over budget: this request reads host memory (loader / view)
+                if self.copy_engine is None:
+                    self.copy_engine = copy_engine_for(self.device)
+                window = StepWindow(h.host_block, shapes, num_steps, dtype, self.device,
+                                    self.copy_engine)  # fmt: skip
+                h.attach_window(window)
+                self._windows.append(window)
+            h.window.prepare(state.step_index)
+            out.append((h.window, state.step_index))
+        return out
 
     def _graph_loader(self, dtype: torch.dtype) -> PipelinedLoader:
         if self.copy_engine is None:
@@ -151,7 +194,12 @@ class MaskedExecutor:
             return False
         if self.loading == "pipelined":
             return True
-        host = any(r.handle is not None and r.handle.device != self.device for r in rows)
+        host = any(
+            r.handle is not None
+            and r.handle.device != self.device
+            and getattr(r.handle, "window", None) is None  # a window is device memory
+            for r in rows
+        )
         return host and self.device.type == "cuda"
 
     def _loader(self, batch: list[RequestState]) -> PipelinedLoader:
