@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -88,6 +89,26 @@ def step_chunks(layout: TemplateLayout, chunk_bytes: int, step: int) -> list[tup
         (step * per_step + j, j * chunk_bytes, min(chunk_bytes, sn - j * chunk_bytes))
         for j in range(per_step)
     ]
+
+
+#: threads reading and verifying one step's chunks at once (shared by every reader)
+READ_THREADS = max(1, min(8, os.cpu_count() or 1))
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="igc-read")
+        return _POOL
+
+
+def step_of(chunk: tuple[int, int, int], reader: EntryReader) -> int:
+    """The step a chunk index belongs to (for messages)."""
+    per_step = -(-reader.layout.step_nbytes // reader._h.chunk_bytes)
+    return chunk[0] // per_step
 
 
 def num_chunks(layout: TemplateLayout, chunk_bytes: int) -> int:
@@ -635,26 +656,38 @@ class EntryReader:
             pass
 
     def read_step(self, step: int, out: memoryview) -> None:
-        """out: at least layout.step_nbytes writable bytes; filled with step `step`, verified."""
+        """out: at least layout.step_nbytes writable bytes; filled with step `step`, verified.
+        The step's chunks are read and verified in parallel (READ_THREADS): one thread copies
+        a few GB/s out of the page cache, a step of an SDXL 1024² template is 0.42 GB."""
         self.layout._check(step)
         n = self.layout.step_nbytes
         if len(out) < n:
             raise ValueError(f"buffer of {len(out)} bytes < step of {n}")
-        off, got = self.data_offset + step * n, 0
+        base = self.data_offset + step * n
+        chunks = step_chunks(self.layout, self._h.chunk_bytes, step)
+        if len(chunks) == 1:
+            self._read_chunk(chunks[0], base, out)
+        else:
+            for fut in [_read_pool().submit(self._read_chunk, c, base, out) for c in chunks]:
+                fut.result()  # the first failure raises (the others finish: out stays valid)
+        self.tier._count(bytes_read=n)
+
+    def _read_chunk(self, chunk: tuple[int, int, int], base: int, out: memoryview) -> None:
+        """Read one chunk of a step into its place in `out` and verify it."""
+        i, a, ln = chunk
+        view, got = out[a : a + ln], 0
         try:
-            while got < n:  # one call per ~2 GiB (Linux caps a read there); short at EOF only
-                k = os.preadv(self._fd, [out[got:n]], off + got)
+            while got < ln:  # short only at EOF (a chunk is far below Linux's 2 GiB cap)
+                k = os.preadv(self._fd, [view[got:]], base + a + got)
                 if not k:
                     raise self.tier._corrupt(self.key, "truncated data", self._st)
                 got += k
         except OSError as e:
             raise self.tier._corrupt(self.key, f"read error: {e}", self._st) from e
-        for i, a, ln in step_chunks(self.layout, self._h.chunk_bytes, step):
-            if checksum(out[a : a + ln]) != self._h.hashes[i]:
-                raise self.tier._corrupt(
-                    self.key, f"checksum mismatch in chunk {i} (step {step})", self._st
-                )
-        self.tier._count(bytes_read=n)
+        if checksum(view) != self._h.hashes[i]:
+            raise self.tier._corrupt(
+                self.key, f"checksum mismatch in chunk {i} (step {step_of(chunk, self)})", self._st
+            )
 
     def advise(self, step: int) -> None:
         """Ask the kernel to start reading `step` into the page cache (no-op past the end)."""

@@ -364,7 +364,11 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()  # the GPU idles from here until the replay below
-        with use_context(ctx), torch.cuda.graph(graph, pool=self._pool):
+        # thread-local capture: threads of the host cache (disk stream readers waiting on a
+        # staging buffer's copies, device-tier promotions) may synchronise with CUDA meanwhile
+        # (global mode fails them: "operation not permitted when stream is capturing")
+        with use_context(ctx), torch.cuda.graph(graph, pool=self._pool,
+                                                capture_error_mode="thread_local"):  # fmt: skip
             out = self._call(fn, entry)
         entry.graph, entry.output = graph, out
         if ctx is not None:
