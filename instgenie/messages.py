@@ -25,7 +25,7 @@ import msgpack
 
 from instgenie.errors import InstGenIEError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 MAX_MESSAGE_BYTES = 64 << 20  # default cap on one encoded message, bytes (tensors go via shm)
 MAX_DEPTH = 32  # nesting limit of `Any` values
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry
@@ -223,12 +223,15 @@ class StepEntry(Nested):  # one iteration of the denoise loop (loop)
     joined: list[str]  # uids admitted before this step
     waited_ms: list[float]  # per joined uid: received by the loop -> admitted, ms
     left: list[str]  # uids retired after this step
-    bytes_loaded: int  # cached activations copied in for this step, bytes
+    #: cached activations copied in for this step (pipelined loads, step windows), bytes
+    bytes_loaded: int
     compute_all_blocks: int  # blocks run on all tokens (no cache load), count
     policy: str  # batching policy name, e.g. "continuous"
     #: how its backbone ran (engine.graphs): "replay" | "capture" | "warmup" | "eager"; the
     #: costliest of them when a step made several calls (requests of several sizes)
     graph: str
+    #: cache-reading members by the tier that serves them: "gpu" | "cpu" | "dram" | "disk"
+    tiers: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

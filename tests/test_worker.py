@@ -289,6 +289,12 @@ def test_device_tier_serves_the_second_edit(tmp_path: Path) -> None:
         tiers = [c.run_edit(**_fields(f"t{i}", 2, template_id=tid, image=None)).cache_tier
                  for i in range(2)]  # fmt: skip
         assert tiers == ["dram", "cpu"]
+        # the step log says which tier served each step's cache readers (two steps per edit)
+        deadline = time.monotonic() + STEP_DEADLINE_S
+        while len(served := [e.tiers for e in c.step_log() if e.tiers]) < 4:
+            assert time.monotonic() < deadline, served
+            time.sleep(0.1)
+        assert served == [{"dram": 1}, {"dram": 1}, {"cpu": 1}, {"cpu": 1}]
         deadline = time.monotonic() + STEP_DEADLINE_S
         while not (s := c.stats()).get("cache_promotions_cpu") and time.monotonic() < deadline:
             time.sleep(0.1)  # the answer may overtake the loop's step log (its cache counters)

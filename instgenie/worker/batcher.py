@@ -9,7 +9,7 @@ drains what it retires; tests drive it directly. Every step appends a `StepRecor
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +35,7 @@ class StepRecord:
     compute_all_blocks: int
     policy: str
     graph: str  # engine.graphs mode of the step's backbone calls (StepEntry.graph)
+    tiers: dict[str, int] = field(default_factory=dict)  # cache readers by serving tier
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Batcher:
         if not self.running:
             return retired
         members = [(s.uid, s.step_index) for s in self.running]
+        stepped = list(self.running)
         graphs = self.pipe.family.masked.graphs
         before = dict(graphs.counters)
         t0, wall0 = time.perf_counter(), time.time()
@@ -104,7 +106,8 @@ class Batcher:
         self.running = [s for s in self.running if not s.is_done]
         for s in done:
             retired.append(Retired(s, _check_finite(s)))
-        ctx = self.pipe.family.masked.last_context
+        ex = self.pipe.family.masked
+        ctx = ex.last_context
         self.records.append(
             StepRecord(
                 step=self.steps,
@@ -114,10 +117,14 @@ class Batcher:
                 joined=[s.uid for s in joined],
                 waited_ms=waited,
                 left=[s.uid for s in done],
-                bytes_loaded=ctx.loader.bytes_loaded if ctx and ctx.loader else 0,
+                bytes_loaded=(ctx.loader.bytes_loaded if ctx and ctx.loader else 0)
+                + ex.last_window_bytes,
                 compute_all_blocks=len(ctx.compute_all) if ctx else 0,
                 policy=self.policy.name,
                 graph=costliest_mode(graphs.counters, before),
+                tiers=dict(
+                    Counter(s.extras["cache_tier"] for s in stepped if s.extras.get("cache_tier"))
+                ),  # fmt: skip
             )
         )
         self.steps += 1

@@ -76,6 +76,8 @@ class MaskedExecutor:
         self.windows = "auto"
         self.window_budget_bytes = 16 << 30
         self._windows: list[StepWindow] = []
+        #: bytes the last step's windows copied (this step's first rows, the next step's)
+        self.last_window_bytes = 0
         self.loader: PipelinedLoader | None = None
         #: the context of the last step (tests and the step log read it)
         self.last_context: StepContext | None = None
@@ -97,6 +99,7 @@ class MaskedExecutor:
         replayed from a CUDA graph when the batch's composition repeats."""
         dtype = batch[0].latents.dtype
         windows = self._prepare_windows(batch, dtype)  # before the plan: windows load nothing
+        copied = sum(w.bytes_copied for w, _ in windows)
         ctx = self.context(batch)
         try:
             if self.graphs.eligible(ctx, dtype, self.block_order):
@@ -112,6 +115,7 @@ class MaskedExecutor:
         finally:
             for window, step in windows:
                 window.done(step)
+            self.last_window_bytes = sum(w.bytes_copied for w, _ in windows) - copied
 
     def _prepare_windows(self, batch: list[RequestState], dtype: torch.dtype) -> list:
         """Give host-tier handles a device step window (within window_budget_bytes) and make
