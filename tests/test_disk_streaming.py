@@ -28,6 +28,8 @@ from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
+from instgenie.worker.batcher import Batcher
+from instgenie.worker.policies import get_policy
 from tests.conftest import make_image, make_mask, png_bytes
 
 LAYOUT = TemplateLayout(5, 2, "bfloat16", ((48, 32), (24, 16)), (1, 4, 8, 8))
@@ -350,10 +352,21 @@ def test_edit_streams_a_template_larger_than_dram_and_matches_dram(tmp_path: Pat
             f.write(b"\x5a" * 8)
         s = pipe.preprocess(edit2)
         assert s.path == "masked"  # step 0 verified at open
-        with pytest.raises(StreamCorrupt):
-            while not s.is_done:
-                pipe.denoise_step([s])
-        pipe.release(s)
+        # in the serving loop's batch, only that edit fails (before its step computes), with a
+        # retryable typed error; its batch mate (a full-path edit) finishes
+        mate = pipe.preprocess(EditRequest(uid="mate", image=png_bytes(make_image(128, 128)),
+                                           mask=edit2.mask, prompt="x", seed=1,
+                                           num_inference_steps=STEPS))  # fmt: skip
+        batcher = Batcher(pipe, get_policy("continuous"), max_batch=4)
+        batcher.submit(s)
+        batcher.submit(mate)
+        retired = {}
+        while not batcher.idle:
+            retired.update((r.state.uid, r.error) for r in batcher.iterate())
+        assert retired["mate"] is None and mate.is_done
+        code, message = retired["m"]
+        assert code == "cache_unreadable" and "StreamCorrupt" in message
+        assert s.cache_handle is None  # released
         assert pipe.store.status(key) == "absent" and small.stats()["quarantined"] == 1
         assert pipe.preprocess(edit2).path == "full"
     finally:

@@ -66,6 +66,8 @@ _WORKER_STATUS = {
     "client_closed": (503, True),
     "cancelled": (409, False),
     "template_failed": (422, False),
+    # a template cache failed verification mid-edit (quarantined, captured again): retry
+    "cache_unreadable": (503, True),
 }
 
 

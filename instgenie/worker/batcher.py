@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from instgenie.engine.graphs import costliest_mode
+from instgenie.engine.masked.executor import CacheReadFailed
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import RequestState
 from instgenie.worker.policies import Policy
@@ -94,6 +95,13 @@ class Batcher:
             # no device sync: the host enqueues step n + 1 while the GPU runs step n, so the
             # recorded duration is host time between step starts (≈ GPU step time when busy)
             self.pipe.denoise_step(self.running, self.horizon())
+        except CacheReadFailed as exc:  # before anything ran: only that request fails
+            bad = [s for s in self.running if s.uid == exc.uid]
+            self.running = [s for s in self.running if s.uid != exc.uid]
+            for s in bad:
+                self.pipe.release(s)
+            message = f"the template's cache could not be read ({exc}); it is captured again"
+            return retired + [Retired(s, ("cache_unreadable", message)) for s in bad]
         except Exception as exc:  # the whole batch shares the failed step
             failed = [Retired(s, ("internal_error", f"denoising step failed: {exc}"))
                       for s in self.running]  # fmt: skip

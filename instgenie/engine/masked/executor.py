@@ -26,6 +26,7 @@ import torch
 
 from instgenie import env
 from instgenie.cache.loader import BlockLoad, CopyEngine, PipelinedLoader, copy_engine_for
+from instgenie.cache.misses import CacheMiss
 from instgenie.cache.window import SLOTS, StepWindow
 from instgenie.engine.attention import resolve_backend
 from instgenie.engine.graphs import StepGraphs
@@ -38,6 +39,17 @@ from instgenie.engine.masked.context import (
 )
 from instgenie.engine.request import RequestState
 from instgenie.errors import ModelLoadError
+
+
+class CacheReadFailed(RuntimeError):
+    """A request's template cache cannot be read for this step (a disk stream's step failed
+    verification: the entry was quarantined). Raised before the step computes anything, so the
+    batch's other requests are untouched: only `uid` fails (worker/batcher.py)."""
+
+    def __init__(self, uid: str, cause: Exception) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.uid, self.cause = uid, cause
+
 
 #: (batch, context) -> block ids that compute all tokens this step (the load planner)
 Planner = Callable[[list[RequestState], StepContext], frozenset[int]]
@@ -98,7 +110,7 @@ class MaskedExecutor:
         """fn(*args, **kwargs) — the backbone call of one step — under this step's context,
         replayed from a CUDA graph when the batch's composition repeats."""
         dtype = batch[0].latents.dtype
-        windows = self._prepare_windows(batch, dtype)  # before the plan: windows load nothing
+        windows = self._prepare_reads(batch, dtype)  # before the plan: windows load nothing
         copied = sum(w.bytes_copied for w, _ in windows)
         ctx = self.context(batch)
         try:
@@ -114,38 +126,52 @@ class MaskedExecutor:
                 return fn(*args, **kwargs)
         finally:
             for window, step in windows:
-                window.done(step)
+                try:
+                    window.done(step)
+                except CacheMiss:
+                    pass  # the next step's copy failed: its prepare() raises it for that request
             self.last_window_bytes = sum(w.bytes_copied for w, _ in windows) - copied
 
-    def _prepare_windows(self, batch: list[RequestState], dtype: torch.dtype) -> list:
-        """Give host-tier handles a device step window (within window_budget_bytes) and make
-        this step's rows ready in it (cache/window.py): their steps then read device memory,
-        DMA'd one step ahead, like a GPU-resident cache. Returns (window, step) pairs."""
-        if self.windows == "off" or (self.windows == "auto" and self.device.type != "cuda"):
-            return []
+    def _prepare_reads(self, batch: list[RequestState], dtype: torch.dtype) -> list:
+        """Before the step computes anything, make every cache-reading request's rows of this
+        step readable, so one that cannot be read fails alone (CacheReadFailed): host-tier
+        handles get a device step window (within window_budget_bytes; cache/window.py) whose
+        slot is made ready — their steps then read device memory, DMA'd one step ahead, like a
+        GPU-resident cache — or, without one, read (and verify) the step now. Returns the
+        (window, step) pairs to finish with done()."""
+        use = self.windows == "on" or (self.windows == "auto" and self.device.type == "cuda")
         out = []
         for state in batch:
             h = state.cache_handle
-            if h is None or not hasattr(h, "attach_window"):
-                continue
-            if h.window is None:
-                spec = h.window_spec()
-                if spec is None or spec[2] != dtype:
+            if h is None or not hasattr(h, "host_block"):
+                continue  # device-resident: nothing to prepare
+            try:
+                if use and h.window is None:
+                    self._attach_window(h, dtype)
+                if h.window is None:
+                    h.host_block(state.step_index, 0)  # a disk stream reads the step here
                     continue
-                shapes, num_steps, _ = spec
-                need = SLOTS * sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
-                self._windows = [w for w in self._windows if w.stacks]  # drop closed ones
-                if sum(w.nbytes for w in self._windows) + need > self.window_budget_bytes:
-                    continue  # over budget: this request reads host memory (loader / view)
-                if self.copy_engine is None:
-                    self.copy_engine = copy_engine_for(self.device)
-                window = StepWindow(h.host_block, shapes, num_steps, dtype, self.device,
-                                    self.copy_engine)  # fmt: skip
-                h.attach_window(window)
-                self._windows.append(window)
-            h.window.prepare(state.step_index)
+                h.window.prepare(state.step_index)
+            except CacheMiss as e:
+                raise CacheReadFailed(state.uid, e) from e
             out.append((h.window, state.step_index))
         return out
+
+    def _attach_window(self, h: Any, dtype: torch.dtype) -> None:
+        """A device step window for host handle `h`, when its rows fit the budget."""
+        spec = h.window_spec()
+        if spec is None or spec[2] != dtype:
+            return  # fp8 rows: dequantised by the pipelined loader
+        shapes, num_steps, _ = spec
+        need = SLOTS * sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
+        self._windows = [w for w in self._windows if w.stacks]  # drop closed ones
+        if sum(w.nbytes for w in self._windows) + need > self.window_budget_bytes:
+            return  # over budget: this request reads host memory (loader / device view)
+        if self.copy_engine is None:
+            self.copy_engine = copy_engine_for(self.device)
+        window = StepWindow(h.host_block, shapes, num_steps, dtype, self.device, self.copy_engine)
+        h.attach_window(window)
+        self._windows.append(window)
 
     def _graph_loader(self, dtype: torch.dtype) -> PipelinedLoader:
         if self.copy_engine is None:
