@@ -31,6 +31,7 @@ from instgenie.engine.templates import TemplateSpec
 from instgenie.worker.batcher import Batcher
 from instgenie.worker.policies import get_policy
 from tests.conftest import make_image, make_mask, png_bytes
+from tests.test_cache_tiered import template
 
 LAYOUT = TemplateLayout(5, 2, "bfloat16", ((48, 32), (24, 16)), (1, 4, 8, 8))
 N = LAYOUT.nbytes
@@ -49,19 +50,6 @@ def ns() -> str:
 def make(tmp_path: Path, ns: str, dram: int, disk: int = 10 * N, **kw) -> TieredStore:  # noqa: ANN003
     """chunk_bytes 4096: every step is several chunks."""
     return TieredStore(tmp_path, ns, dram, disk, chunk_bytes=4096, **kw)
-
-
-def template(layout: TemplateLayout, seed: int) -> dict[tuple, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out: dict[tuple, torch.Tensor] = {}
-    for s in range(layout.num_steps):
-        for b in range(layout.num_blocks):
-            y = torch.randn(layout.block_shape(b), generator=g)
-            out[("y", s, b)] = y.to(layout.torch_dtype)
-            if layout.fp8_scales:
-                out[("s", s, b)] = torch.rand(*layout.block_shape(b)[:2], 1, generator=g)
-        out[("lat", s)] = torch.randn(layout.latent_shape, generator=g)
-    return out
 
 
 def capture(store: TieredStore, key: str, seed: int, layout: TemplateLayout = LAYOUT) -> dict:

@@ -167,6 +167,8 @@ class MaskedExecutor:
         self._windows = [w for w in self._windows if w.stacks]  # drop closed ones
         if sum(w.nbytes for w in self._windows) + need > self.window_budget_bytes:
             return  # over budget: this request reads host memory (loader / device view)
+        if self.device.type == "cuda" and need > torch.cuda.mem_get_info(self.device)[0] // 2:
+            return  # the device is short of memory: never trade an OOM for the window
         if self.copy_engine is None:
             self.copy_engine = copy_engine_for(self.device)
         window = StepWindow(h.host_block, shapes, num_steps, dtype, self.device, self.copy_engine)
