@@ -157,6 +157,35 @@ def test_graph_form_reads_host_memory(family: str, loading: str, tmp_path) -> No
         cleanup(ns)
 
 
+def test_a_window_is_decided_once_per_edit(tmp_path) -> None:
+    """A window attached mid-edit would change what the composition's captured graph reads (the
+    slot, not the step): a request that got none at its first step (over the budget) reads host
+    memory for its whole edit, even once the budget allows one, and stays exact."""
+    ns = uuid.uuid4().hex[:10]
+    tiered = TieredStore(tmp_path, ns, 256 << 20, 0, disk_enabled=False)
+    try:
+        pipe = _pipe("sdxl-inpaint", HostActivationStore(tiered, tmp_path))
+        ex = pipe.family.masked
+        key = _template(pipe, 1)
+        ex.graphs.mode = "off"
+        plain = _run_staggered(pipe, [_edit("a", key, (0.2, 0.2, 0.6, 0.6), 3)])[0]
+        ex.graphs = StepGraphs(ex.device, "all")
+        ex.graphs.force_static = True
+        ex.windows, ex.window_budget_bytes = "on", 0
+        s = pipe.preprocess(_edit("a", key, (0.2, 0.2, 0.6, 0.6), 3))
+        pipe.denoise_step([s])
+        handle = s.cache_handle
+        assert handle.window_decided and handle.window is None
+        ex.window_budget_bytes = 1 << 30
+        while not s.is_done:
+            pipe.denoise_step([s])
+            assert handle.window is None or s.is_done
+        assert ex._windows == [] and torch.equal(s.latents, plain)
+    finally:
+        tiered.close()
+        cleanup(ns)
+
+
 def test_graph_form_reads_each_step(family: str) -> None:
     """The step index is a device scalar written before every call: a graph form stuck at the
     step it was built for reads the wrong cached rows (guards the fill of the step index)."""

@@ -129,8 +129,15 @@ class WindowedHandle:
         shapes = {b: layout.block_shape(b) for b in range(layout.num_blocks)}
         return shapes, layout.num_steps, layout.torch_dtype
 
-    def attach_window(self, window: StepWindow) -> None:
-        self.window = window
+    #: whether the executor decided on a window (once, before the handle's first step: a
+    #: window attached mid-edit would change what an already captured graph reads)
+    window_decided: bool = False
+
+    def attach_window(self, window: StepWindow | None) -> None:
+        """The executor's one decision: read through `window`, or (None) never through one."""
+        if self.window_decided:
+            raise RuntimeError("a handle's window is decided once")
+        self.window, self.window_decided = window, True
 
     def slot(self, step: int) -> int:
         """The index a device-indexed read of block_steps uses for `step`."""

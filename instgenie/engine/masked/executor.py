@@ -146,8 +146,8 @@ class MaskedExecutor:
             if h is None or not hasattr(h, "host_block"):
                 continue  # device-resident: nothing to prepare
             try:
-                if use and h.window is None:
-                    self._attach_window(h, dtype)
+                if use and not h.window_decided:
+                    h.attach_window(self._new_window(h, dtype))
                 if h.window is None:
                     h.host_block(state.step_index, 0)  # a disk stream reads the step here
                     continue
@@ -157,23 +157,24 @@ class MaskedExecutor:
             out.append((h.window, state.step_index))
         return out
 
-    def _attach_window(self, h: Any, dtype: torch.dtype) -> None:
-        """A device step window for host handle `h`, when its rows fit the budget."""
+    def _new_window(self, h: Any, dtype: torch.dtype) -> StepWindow | None:
+        """A device step window for host handle `h`, or None (fp8 rows, over the budget, or
+        the device short of memory): then it reads host memory for its whole edit."""
         spec = h.window_spec()
         if spec is None or spec[2] != dtype:
-            return  # fp8 rows: dequantised by the pipelined loader
+            return None  # fp8 rows: dequantised by the pipelined loader
         shapes, num_steps, _ = spec
         need = SLOTS * sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
         self._windows = [w for w in self._windows if w.stacks]  # drop closed ones
         if sum(w.nbytes for w in self._windows) + need > self.window_budget_bytes:
-            return  # over budget: this request reads host memory (loader / device view)
+            return None  # over budget: this request reads host memory (loader / device view)
         if self.device.type == "cuda" and need > torch.cuda.mem_get_info(self.device)[0] // 2:
-            return  # the device is short of memory: never trade an OOM for the window
+            return None  # the device is short of memory: never trade an OOM for the window
         if self.copy_engine is None:
             self.copy_engine = copy_engine_for(self.device)
         window = StepWindow(h.host_block, shapes, num_steps, dtype, self.device, self.copy_engine)
-        h.attach_window(window)
         self._windows.append(window)
+        return window
 
     def _graph_loader(self, dtype: torch.dtype) -> PipelinedLoader:
         if self.copy_engine is None:
