@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import decimal
 import functools
 import inspect
+import re
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -266,9 +268,33 @@ def field_help(cls: type) -> dict[str, str]:
     return out
 
 
+#: byte units a `--*-bytes` flag accepts (decimal and binary), lower case
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+               "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+               "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+_BYTE_COUNT = re.compile(r"\s*(-?[0-9]+(?:\.[0-9]*)?(?:[eE]\+?[0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+def byte_count(text: str) -> int:
+    """A `--*-bytes` flag's value: an integer ("8589934592", "-1"), scientific notation
+    ("40e9"), or a number with a unit ("8GiB", "40 GB", "1.5TB"); a fraction of a byte is
+    refused."""
+    m = _BYTE_COUNT.fullmatch(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"not a byte count: {text!r} (e.g. 8589934592, 40e9, 8GiB, 512MB)"
+        )
+    value = decimal.Decimal(m.group(1)) * _BYTE_UNITS[unit]
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}")
+    return int(value)
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, skip: tuple = ()) -> None:
     """Add one `--kebab-name` flag per field of dataclass `cls` (defaults from the class, help
-    from the field's comment: `field_help`)."""
+    from the field's comment: `field_help`). Integer fields named `*_bytes` take `byte_count`
+    values ("40e9", "8GiB")."""
     hints = typing.get_type_hints(cls)
     helps = field_help(cls)
     for f in dataclasses.fields(cls):
@@ -284,6 +310,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, skip: tupl
             )
         elif typing.get_origin(typ) is tuple:
             parser.add_argument(flag, nargs="+", default=default, help=text)
+        elif typ is int and f.name.endswith("_bytes"):
+            parser.add_argument(flag, type=byte_count, default=default, help=text)
         else:
             parser.add_argument(flag, type=typ, default=default, help=text)
 

@@ -120,3 +120,22 @@ def test_every_serve_flag_has_help_and_shows_its_default(capsys) -> None:
     routing = next(b for b in blocks if b.startswith("  --routing"))
     assert " ".join(field_help(ServerConfig)["routing"].split()) in " ".join(routing.split())
     assert "(default: least-loaded)" in " ".join(routing.split())
+
+
+def test_byte_flags_take_units_and_scientific_notation(capsys) -> None:
+    """`--*-bytes` flags read "40e9" or "8GiB" as users write them (issue 24's commands); a
+    fraction of a byte or an unknown unit is refused by the parser, saying what it takes."""
+    import argparse
+
+    from instgenie.config import WorkerConfig, add_dataclass_args, dataclass_from_args
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, WorkerConfig)
+    args = parser.parse_args(["--cache-dram-bytes", "40e9", "--cache-gpu-bytes", "8GiB",
+                              "--cache-disk-bytes", "-1"])  # fmt: skip
+    w = dataclass_from_args(WorkerConfig, args)
+    assert (w.cache_dram_bytes, w.cache_gpu_bytes, w.cache_disk_bytes) == (40 * 10**9, 8 << 30, -1)
+    for bad in ("1.5", "3XB", "lots"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--cache-dram-bytes", bad])
+        assert "byte" in capsys.readouterr().err
