@@ -47,7 +47,6 @@ from instgenie.cache.hostmem import pin, unpin
 from instgenie.cache.index import CacheFull, TierDisabled
 from instgenie.cache.layout import TemplateLayout, align_up, view_slab
 from instgenie.cache.misses import CacheMiss, StreamCorrupt, check_key
-from instgenie.cache.quant import QuantizedRows
 from instgenie.cache.window import WindowedHandle
 
 if TYPE_CHECKING:
@@ -545,21 +544,12 @@ class StreamedHandle(WindowedHandle):
     device = torch.device("cpu")
 
     def __init__(self, streamed: StreamedTemplate) -> None:
-        self._s = streamed
-        self.layout = streamed.layout
-        self._fp8 = streamed.layout.fp8_scales
-
-    def host_block(self, step: int, block_id: int) -> torch.Tensor | QuantizedRows:
-        y = self._s.block(step, block_id)
-        return QuantizedRows(y, self._s.scales(step, block_id)) if self._fp8 else y
+        super().__init__(streamed)
 
     def block_steps(self, block_id: int, device: torch.device) -> torch.Tensor | None:
         """The window's slots (index them with slot(step)); None without a window."""
         return self.window_steps(block_id, device)
 
-    def latents(self, step: int) -> torch.Tensor:
-        return self._s.latents(step)
-
     def close(self) -> None:
         self.close_window()
-        self._s.close()
+        self.source.close()

@@ -34,7 +34,7 @@ from instgenie.cache.disk_stream import StreamedHandle, StreamedTemplate
 from instgenie.cache.hostmem import device_view, pin, unpin
 from instgenie.cache.index import EntryInUse
 from instgenie.cache.layout import TemplateLayout
-from instgenie.cache.quant import FP8, QuantizedRows, quantize_rows
+from instgenie.cache.quant import FP8, quantize_rows
 from instgenie.cache.store import TemplateMeta
 from instgenie.cache.tiered import HostTemplate, TieredStore
 from instgenie.cache.window import WindowedHandle
@@ -172,14 +172,9 @@ class _HostHandle(WindowedHandle):
     device = torch.device("cpu")
 
     def __init__(self, host: HostTemplate) -> None:
+        super().__init__(host)  # rows are zero-copy views of the shared segment
         self._host = host
-        self.layout = host.layout
         self._fp8 = host.layout.fp8_scales
-
-    def host_block(self, step: int, block_id: int) -> torch.Tensor | QuantizedRows:
-        """The block's rows of `step` in the shared segment (zero-copy)."""
-        y = self._host.block(step, block_id)
-        return QuantizedRows(y, self._host.scales(step, block_id)) if self._fp8 else y
 
     def block_steps(self, block_id: int, device: torch.device) -> torch.Tensor | None:
         """(num_steps, rows, L, C) of the block, readable by kernels on `device` in place (index
@@ -199,9 +194,6 @@ class _HostHandle(WindowedHandle):
         if view is None:
             view = seg.pinned[device] = device_view(self._host.data, device)
         return layout.block_steps_view(view, block_id)
-
-    def latents(self, step: int) -> torch.Tensor:
-        return self._host.latents(step)
 
     def close(self) -> None:
         self.close_window()

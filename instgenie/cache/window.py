@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from instgenie.cache.layout import TemplateLayout
 from instgenie.cache.loader import CopyEngine
 from instgenie.cache.quant import QuantizedRows
 from instgenie.cache.store import on_device
@@ -105,15 +104,25 @@ class StepWindow:
 
 
 class WindowedHandle:
-    """What a host-tier handle (a DRAM entry, a disk stream) needs to take a StepWindow: its
-    subclass provides `host_block(step, block)` and `layout`; edits then read the window."""
+    """A host-tier handle (a DRAM entry, a disk stream) over `source` (an object with `layout`,
+    `block`, `scales` and `latents` by step: tiered.HostTemplate, disk_stream.StreamedTemplate)
+    that can take a StepWindow; edits then read the window."""
 
-    layout: TemplateLayout
     #: a device step window (attach_window): edits read its slots, DMA'd a step ahead
     window: StepWindow | None = None
 
+    def __init__(self, source: Any) -> None:
+        self.source, self.layout = source, source.layout
+
     def host_block(self, step: int, block_id: int) -> torch.Tensor | QuantizedRows:
-        raise NotImplementedError
+        """The block's rows of `step` in host memory (fp8 rows with their scales)."""
+        y = self.source.block(step, block_id)
+        if self.layout.fp8_scales:
+            return QuantizedRows(y, self.source.scales(step, block_id))
+        return y
+
+    def latents(self, step: int) -> torch.Tensor:
+        return self.source.latents(step)
 
     def block(self, step: int, block_id: int) -> torch.Tensor | QuantizedRows:
         if self.window is not None:
