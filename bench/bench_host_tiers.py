@@ -20,6 +20,7 @@ later open (the mapping is kept).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -48,7 +49,13 @@ from instgenie.engine.stepbench import ratio_mask, template_image  # noqa: E402
 from instgenie.engine.templates import TemplateSpec  # noqa: E402
 
 
-def edit_batch(pipe: EditPipeline, keys: list[str], masks: list[bytes], steps: int) -> dict:
+def edit_batch(
+    pipe: EditPipeline,
+    keys: list[str],
+    masks: list[bytes],
+    steps: int,
+    planner=None,  # noqa: ANN001 - batch -> compute-all block ids (a load planner), or None
+) -> dict:
     """Denoise len(keys) edits joined together; per-step CUDA times and the final latents."""
     reqs = [
         EditRequest(
@@ -72,7 +79,11 @@ def edit_batch(pipe: EditPipeline, keys: list[str], masks: list[bytes], steps: i
     while not all(s.is_done for s in states):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        pipe.denoise_step(states, horizon=steps - states[0].step_index)
+        pipe.prepare_reads(states)
+        plan = pipe.plan_step(states, horizon=steps - states[0].step_index)
+        if planner is not None:
+            plan = dataclasses.replace(plan, compute_all=planner(states))
+        pipe.denoise_step(states, plan)
         b.record()
         events.append((a, b))
         ctx = ex.last_context
@@ -151,11 +162,12 @@ def main() -> None:
     save(result["pin"])
 
     ex = fam.masked
+    planner = None
     if args.profile:
         from instgenie.cache.costmodel import StepCostModel
         from instgenie.cache.profiler import Profile
 
-        ex.planner = StepCostModel.for_family(Profile.load_file(args.profile), fam).plan
+        planner = StepCostModel.for_family(Profile.load_file(args.profile), fam).compute_all
     masks = [encode_image(ratio_mask(size, size, args.ratio + 0.02 * i, fam.granule), "png")
              for i in range(args.batch)]  # fmt: skip
     # (name, pipeline, graph mode, step windows)
@@ -173,7 +185,7 @@ def main() -> None:
                 ex.graphs, ex.windows = graphs[name], windows
                 ks = [keys[name.split("-")[0]][i % 2] for i in range(n)]
                 before = dict(ex.graphs.counters)
-                r = edit_batch(pipe, ks, masks[:n], args.steps)
+                r = edit_batch(pipe, ks, masks[:n], args.steps, planner)
                 calls = {k: v - before[k] for k, v in ex.graphs.counters.items()}
                 if rep == 0:
                     if ref is None:

@@ -13,6 +13,7 @@ pinned host memory, for four loading schemes, plus fp8 storage. Not a test.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -44,10 +45,15 @@ def _sync(dev: torch.device) -> None:
 
 
 def run_edit(
-    pipe: EditPipeline, key: str, mask: bytes, steps: int, stop_after: int | None = None
+    pipe: EditPipeline,
+    key: str,
+    mask: bytes,
+    steps: int,
+    stop_after: int | None = None,
+    planner=None,  # noqa: ANN001 - batch -> compute-all block ids (a load planner), or None
 ) -> tuple[float, object, dict]:
-    """Denoise one masked edit (to completion, or `stop_after` steps for a warm-up); returns
-    (seconds, state, stats)."""
+    """Denoise one masked edit (to completion, or `stop_after` steps for a warm-up), each step's
+    plan taking its compute-all set from `planner` when given; returns (seconds, state, stats)."""
     req = EditRequest(uid="e", image=None, template_id=key, mask=mask, prompt="a red jacket",
                       seed=42, num_inference_steps=steps, paste_back=False)  # fmt: skip
     s = pipe.preprocess(req)
@@ -60,9 +66,13 @@ def run_edit(
         if stop_after is not None and s.step_index >= stop_after:
             pipe.release(s)
             break
-        pipe.denoise_step([s])
+        pipe.prepare_reads([s])
+        plan = pipe.plan_step([s])
+        if planner is not None:
+            plan = dataclasses.replace(plan, compute_all=planner([s]))
+        pipe.denoise_step([s], plan)
         if ex.last_context is not None:
-            planned.append(len(ex.last_context.compute_all))
+            planned.append(len(plan.compute_all))
             if ex.last_context.loader is not None:
                 loaded += ex.last_context.loader.bytes_loaded
     _sync(pipe.family.device)
@@ -125,18 +135,18 @@ def main() -> None:
     schemes = [("ideal", ideal, "auto", None), ("naive", host, "naive", None),
                ("strawman", host, "pipelined", None)]  # fmt: skip
     if cost is not None:
-        schemes.append(("dp", host, "pipelined", cost.plan))
+        schemes.append(("dp", host, "pipelined", cost.compute_all))
     for ratio in args.ratios:
         mask = encode_image(ratio_mask(size, size, ratio, fam.granule), "png")
         row, ref = {"mask_ratio": ratio}, None
         times: dict[str, list[float]] = {name: [] for name, *_ in schemes}
         for rep in range(args.repeats):  # round-robin, so drift hits every scheme alike
             for name, pipe, loading, planner in schemes:
-                ex.loading, ex.planner = loading, planner
+                ex.loading = loading
                 key = keys["ideal" if name == "ideal" else "host"]
                 if rep == 0:
-                    run_edit(pipe, key, mask, args.steps, stop_after=2)  # warm-up
-                secs, state, stats = run_edit(pipe, key, mask, args.steps)
+                    run_edit(pipe, key, mask, args.steps, stop_after=2, planner=planner)  # warm-up
+                secs, state, stats = run_edit(pipe, key, mask, args.steps, planner=planner)
                 times[name].append(secs)
                 if rep == 0:
                     _record(row, name, state, stats, ref)
@@ -144,14 +154,14 @@ def main() -> None:
         for name, ts in times.items():
             row[f"s_{name}"] = round(statistics.median(ts), 4)
             row[f"runs_{name}"] = [round(t, 4) for t in ts]
-        ex.loading, ex.planner = "auto", None
+        ex.loading = "auto"
         row["dp_vs_ideal"] = round(row["s_dp"] / row["s_ideal"], 4) if "s_dp" in row else None
         result["rows"].append(row)
         save(row)
 
     if "host8" in keys:
         mask = encode_image(ratio_mask(size, size, args.fp8_ratio, fam.granule), "png")
-        ex.loading, ex.planner = "pipelined", None
+        ex.loading = "pipelined"
         run_edit(host8, keys["host8"], mask, args.steps, stop_after=2)
         s8, st8, stats8 = run_edit(host8, keys["host8"], mask, args.steps)
         run_edit(host, keys["host"], mask, args.steps, stop_after=2)

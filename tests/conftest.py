@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import functools
 import io
 import os
@@ -83,6 +84,13 @@ def make_mask(width: int = 128, height: int = 128, box: tuple[float, ...] = (0.2
 @functools.cache
 def tiny_pipeline(family: str) -> EditPipeline:
     return EditPipeline.load(f"{family}:tiny")
+
+
+def planned_step(pipe: EditPipeline, batch: list, **fields) -> None:
+    """One step of `batch` under the plan the pipeline makes (plan_step), with `fields` of the
+    StepPlan replaced (e.g. compute_all, horizon): a step's inputs travel as its plan."""
+    pipe.prepare_reads(batch)
+    pipe.denoise_step(batch, dataclasses.replace(pipe.plan_step(batch), **fields))
 
 
 @pytest.fixture(params=FAMILIES)

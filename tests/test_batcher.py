@@ -127,38 +127,47 @@ def test_a_request_of_another_resolution_is_not_starved() -> None:
     assert ran_small_at is not None and ran_small_at <= 4, ran_small_at
 
 
-def test_horizon_is_the_steps_until_a_member_finishes() -> None:
+def _spy_plans(pipe, monkeypatch: pytest.MonkeyPatch) -> list:
+    """The StepPlans the pipeline is given (each step still runs)."""
+    plans = []
+    step = pipe.denoise_step
+
+    def spy(batch, plan=None):
+        plans.append(plan)
+        step(batch, plan)
+
+    monkeypatch.setattr(pipe, "denoise_step", spy)
+    return plans
+
+
+def test_horizon_is_the_steps_until_a_member_finishes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request waiting for a place does not shorten it (it joins only when one leaves)."""
     pipe = tiny_pipeline("sd2-inpaint")
-    seen = []
-    step = pipe.family.denoise_step
-
-    def spy(batch):
-        seen.append(pipe.family.masked.graphs.horizon)
-        step(batch)
-
-    pipe.family.denoise_step = spy
+    plans = _spy_plans(pipe, monkeypatch)
     b = Batcher(pipe, get_policy("continuous"), max_batch=2)
     for uid, steps in (("a", 4), ("x", 2), ("c", 3)):  # c waits: the batch holds two
         b.submit(_state(pipe, uid, steps=steps))
     while not b.idle:
         b.iterate()
     # a + x until x leaves; a + c until a leaves; c's last step alone
-    assert seen == [2, 1, 2, 1, 1]
+    assert [p.horizon for p in plans] == [2, 1, 2, 1, 1]
+    assert [p.joined for p in plans] == [("a", "x"), (), ("c",), (), ()]
+    assert [p.leaving for p in plans] == [(), ("x",), (), ("a",), ("c",)]
+    assert [[(m.uid, m.step) for m in p.members] for p in plans] == [
+        [("a", 0), ("x", 0)], [("a", 1), ("x", 1)], [("a", 2), ("c", 0)], [("a", 3), ("c", 1)],
+        [("c", 2)],
+    ]  # fmt: skip
     assert [r.joined for r in b.records][2] == ["c"]
+    # the step log is the plan's record
+    assert [r.members for r in b.records] == [[(m.uid, m.step) for m in p.members] for p in plans]
 
 
-def test_batcher_passes_the_horizon_and_logs_how_steps_ran() -> None:
+def test_batcher_passes_the_horizon_and_logs_how_steps_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     pipe = tiny_pipeline("sd2-inpaint")
     graphs = pipe.family.masked.graphs
-    seen = []
-    step = pipe.family.denoise_step
-
-    def spy(batch):  # what the step's graphs were told while it ran
-        seen.append(graphs.horizon)
-        step(batch)
-
-    pipe.family.denoise_step = spy
+    plans = _spy_plans(pipe, monkeypatch)
     b = Batcher(pipe, get_policy("continuous"), max_batch=4)
     b.submit(_state(pipe, "a", steps=4))
     b.iterate()
@@ -167,8 +176,7 @@ def test_batcher_passes_the_horizon_and_logs_how_steps_ran() -> None:
     while not b.idle:
         b.iterate()
     # a alone (4 left); a + b + c until b and c leave (2 steps); a's last step alone
-    assert seen == [4, 2, 1, 1]
-    assert graphs.horizon is None  # reset after each step
+    assert [p.horizon for p in plans] == [4, 2, 1, 1]
     assert [r.graph for r in b.records] == ["eager"] * 4  # CPU: no graphs
     graphs.force_static = True  # the graph form on CPU: every call a warm-up
     b.submit(_state(pipe, "d", steps=2))

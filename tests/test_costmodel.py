@@ -96,7 +96,7 @@ def test_mixed_plan_loads_only_some_blocks() -> None:
     pipe = EditPipeline(_family(), profile=_profile(2e-5, compute_ms=1.0))
     s = _masked_state(pipe)
     costs = pipe.cost_model.costs([s])
-    plan = pipe.cost_model.plan([s], None)
+    plan = pipe.cost_model.compute_all([s])
     assert 0 < len(plan) < costs.num_blocks, costs.load[:3]
     best = pipe.cost_model.last_plan
     assert best.latency_ms < min(best.all_cache_ms, best.all_full_ms)

@@ -14,7 +14,7 @@ import torch
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
-from tests.conftest import make_image, make_mask, png_bytes
+from tests.conftest import make_image, make_mask, planned_step, png_bytes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -138,7 +138,8 @@ def test_capture_only_when_it_pays() -> None:
                           num_inference_steps=6, paste_back=False)  # fmt: skip
         s = pipe.preprocess(req)
         while not s.is_done:
-            pipe.denoise_step([s], s.num_steps - s.step_index if known_horizon else None)
+            horizon = s.num_steps - s.step_index if known_horizon else None
+            planned_step(pipe, [s], horizon=horizon)
         return s.latents
 
     saved = ex.graphs
@@ -196,7 +197,7 @@ def test_first_call_capture_of_a_captured_shape(family: str) -> None:
     def run(batch: list[EditRequest]) -> list[torch.Tensor]:
         states = [pipe.preprocess(r) for r in batch]
         while not all(s.is_done for s in states):
-            pipe.denoise_step(states, min(s.num_steps - s.step_index for s in states))
+            planned_step(pipe, states, horizon=min(s.num_steps - s.step_index for s in states))
         return [s.latents for s in states]
 
     saved = ex.graphs
@@ -240,7 +241,7 @@ def test_failed_first_call_capture_falls_back_to_warm_ups() -> None:
                           paste_back=False)  # fmt: skip
         s = pipe.preprocess(req)
         while not s.is_done:
-            pipe.denoise_step([s], s.num_steps - s.step_index)
+            planned_step(pipe, [s], horizon=s.num_steps - s.step_index)
         return s.latents
 
     boxes = [(0.1, 0.1, 0.5, 0.6), (0.3, 0.2, 0.9, 0.7), (0.0, 0.0, 0.4, 0.4)]

@@ -14,7 +14,7 @@ from instgenie.cache.quant import copy_rows
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
-from tests.conftest import make_image, make_mask, png_bytes
+from tests.conftest import make_image, make_mask, planned_step, png_bytes
 
 
 class SimEngine:
@@ -149,16 +149,16 @@ def test_replay_exact_through_the_staging_ring(num_buffers: int) -> None:
         pipe.denoise_step([full])
     eng = SimEngine()
     ex.loading, ex.copy_engine, ex.loader = "pipelined", eng, None
-    ex.compute_all, ex.staging_buffers = frozenset({0, 5, 6}), num_buffers
+    ex.staging_buffers = num_buffers
     ex.max_staging_bytes = 0  # exercise the ring's reuse, not one buffer per block
     try:
         s = pipe.preprocess(EditRequest(uid="m", image=None, template_id=key, mask=mask, **common))
         while not s.is_done:
-            pipe.denoise_step([s])
+            planned_step(pipe, [s], compute_all=frozenset({0, 5, 6}))
         loaded = ex.loader.bytes_loaded
         assert ex.loader.num_buffers == num_buffers
     finally:
-        ex.loading, ex.copy_engine, ex.loader, ex.compute_all = "auto", None, None, frozenset()
+        ex.loading, ex.copy_engine, ex.loader = "auto", None, None
         ex.staging_buffers, ex.max_staging_bytes = 3, 2 << 30
     tol = 1e-9 * float(full.latents.abs().max())
     assert float((s.latents - full.latents).abs().max()) <= tol

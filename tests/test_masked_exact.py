@@ -19,7 +19,7 @@ from PIL import Image, ImageDraw
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.templates import TemplateSpec
-from tests.conftest import make_image, make_mask, png_bytes
+from tests.conftest import make_image, make_mask, planned_step, png_bytes
 
 STEPS = 4
 RTOL = 1e-9
@@ -158,13 +158,12 @@ def test_compute_all_switch_keeps_replay_exact_and_is_used() -> None:
     key = pipe.build_template(TemplateSpec(image=img, mask=mask, **common))
     edit = EditRequest(uid="e", image=None, template_id=key, mask=mask, **common)
     full = _full(pipe, EditRequest(uid="f", image=img, mask=mask, **common))
-    ex.compute_all = frozenset(range(0, ex.num_blocks, 2))
-    try:
-        masked = _run(pipe, pipe.preprocess(edit))
-        assert set(ex.last_context.masked_blocks).isdisjoint(ex.compute_all)
-        assert len(set(ex.last_context.masked_blocks)) == ex.num_blocks - len(ex.compute_all)
-    finally:
-        ex.compute_all = frozenset()
+    compute_all = frozenset(range(0, ex.num_blocks, 2))
+    masked = pipe.preprocess(edit)
+    while not masked.is_done:
+        planned_step(pipe, [masked], compute_all=compute_all)
+        assert set(ex.last_context.masked_blocks).isdisjoint(compute_all)
+        assert len(set(ex.last_context.masked_blocks)) == ex.num_blocks - len(compute_all)
     _close(masked.latents, full.latents)
 
 

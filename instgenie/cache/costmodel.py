@@ -13,7 +13,7 @@ from __future__ import annotations
 from instgenie.cache.costs import BlockDims, batch_flops, block_dims, cached_bytes
 from instgenie.cache.planner import BlockCosts, Plan, plan_step
 from instgenie.cache.profiler import Profile
-from instgenie.engine.masked.context import StepContext, composition_key
+from instgenie.engine.masked.context import composition_key
 from instgenie.engine.request import RequestState
 
 
@@ -63,9 +63,9 @@ class StepCostModel:
             load_ms.append(loads)
         return BlockCosts(cached_ms, full_ms, load_ms)
 
-    def plan(self, batch: list[RequestState], ctx: StepContext) -> frozenset[int]:
-        """The executor's planner hook: block ids that compute all tokens this step. Costs do
-        not depend on the step index, so a batch of the same requests reuses the last plan."""
+    def compute_all(self, batch: list[RequestState]) -> frozenset[int]:
+        """Block ids that compute all tokens in a step of `batch` (StepPlan.compute_all). Costs
+        do not depend on the step index, so a batch of the same requests reuses the last plan."""
         key = composition_key(batch)
         if key != self._last_key or self.last_plan is None:
             self.last_plan = plan_step(self.costs(batch))

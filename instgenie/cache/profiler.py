@@ -159,25 +159,22 @@ def _sync(device: torch.device) -> None:
 
 def profile_compute(pipe, size: int, batches, ratios, warmup: int, iters: int, log=print) -> dict:
     """Samples {class: {mode: [(flops, ms), ...]}} over the (batch, ratio) grid."""
-    from instgenie.engine.masked.context import BlockTimer
     from instgenie.engine.stepbench import StepBench
 
     fam = pipe.family
-    ex = fam.masked
     dims = family_block_dims(fam)
     bench = StepBench.setup(pipe, size)
     shapes = pipe.store.meta(bench.template_key).block_shapes
     samples: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     other: list[tuple[float, float]] = []  # (batch rows * pixels, step ms - sum of block ms)
-    ex.timer_factory = lambda: BlockTimer(fam.device)
     try:
         for batch in batches:
             for ratio in ratios:
                 states = bench.states(ratio, batch, masked=True)
                 text_len = int(states[0].cond["prompt_embeds"].shape[1])
                 for mode in MODES:
-                    ex.compute_all = frozenset() if mode == "cached" else frozenset(dims)
-                    per_block, step_ms = _time_blocks(pipe, bench, states, warmup, iters)
+                    compute_all = frozenset() if mode == "cached" else frozenset(dims)
+                    per_block, step_ms = _time_blocks(pipe, states, compute_all, warmup, iters)
                     rows_px = sum(s.num_rows for s in states) * size * size
                     other.append((rows_px, max(0.0, step_ms - sum(per_block.values()))))
                     for b, ms in per_block.items():
@@ -192,14 +189,18 @@ def profile_compute(pipe, size: int, batches, ratios, warmup: int, iters: int, l
                 log(f"profiled batch {batch} ratio {ratio}")
                 del states
     finally:
-        ex.timer_factory, ex.compute_all = None, frozenset()
         pipe.store.delete(bench.template_key)
     blocks = {b: block_class(d) for b, d in dims.items()}
     return {"samples": samples, "blocks": blocks, "other": other}
 
 
-def _time_blocks(pipe, bench, states, warmup: int, iters: int) -> tuple[dict[int, float], float]:
-    """({block id: median ms}, median ms of the whole step)."""
+def _time_blocks(
+    pipe, states, compute_all: frozenset[int], warmup: int, iters: int
+) -> tuple[dict[int, float], float]:
+    """({block id: median ms}, median ms of the whole step) of timed steps of `states` whose
+    blocks in `compute_all` compute every token."""
+    from instgenie.scheduler.step import StepPlan, members_of
+
     runs: dict[int, list[float]] = defaultdict(list)
     steps: list[float] = []
     snap = [(s.latents.clone(), s.step_index) for s in states]
@@ -207,9 +208,11 @@ def _time_blocks(pipe, bench, states, warmup: int, iters: int) -> tuple[dict[int
     for i in range(warmup + iters):
         for s, (lat, idx) in zip(states, snap, strict=True):
             s.latents, s.step_index = lat.clone(), idx
+        plan = StepPlan(index=i, members=members_of(states), compute_all=compute_all, timed=True)
         _sync(device)
         t0 = time.perf_counter()
-        pipe.denoise_step(states)
+        pipe.prepare_reads(states)
+        pipe.denoise_step(states, plan)
         _sync(device)
         if i >= warmup:
             steps.append(1e3 * (time.perf_counter() - t0))

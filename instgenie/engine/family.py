@@ -21,6 +21,7 @@ from instgenie.errors import ModelLoadError, ValidationError
 
 if TYPE_CHECKING:
     from instgenie.engine.request import EditRequest, RequestState
+    from instgenie.scheduler.step import StepPlan
 
 SIZES = ("tiny", "full")
 
@@ -116,8 +117,9 @@ class ModelFamily(Protocol):
         """Encode prompt, VAE-encode template and masked image, draw seeded noise, build tables."""
         ...
 
-    def denoise_step(self, batch: list[RequestState]) -> None:
-        """Advance every request of `batch` by one step (each at its own step index), in place."""
+    def denoise_step(self, batch: list[RequestState], plan: StepPlan) -> None:
+        """Advance every request of `batch` by one step (each at its own step index), in place,
+        as `plan` (the batcher's decision for this step: its members are exactly `batch`) says."""
         ...
 
     def decode(self, batch: list[RequestState]) -> list[Image.Image]:

@@ -147,9 +147,6 @@ class StepGraphs:
         self.device = device
         self.mode = mode
         self.capture = capture
-        #: calls the running composition is expected to make, this one included (the serving
-        #: loop sets it before each step); None: unknown (capture on call 2)
-        self.horizon: int | None = None
         self.costs = CallCosts()
         #: batch shapes captured at least once in this process (their lazy loads are done)
         self._captured: set[Hashable] = set()
@@ -201,12 +198,15 @@ class StepGraphs:
         args: tuple,
         kwargs: dict[str, Any],
         make_loader: Callable[[torch.dtype], Any] | None = None,
+        horizon: int | None = None,
     ) -> torch.Tensor:
         """fn(*args, **kwargs) under `ctx`, through the composition's graph. `key` must identify
         the composition (executor.composition_key plus the plan); the graph is reused only
         while tensor shapes, dtypes and every non-tensor argument are unchanged. `make_loader`
         (dtype -> PipelinedLoader), for cached rows in host memory: they are copied into the
-        composition's own staging ring on a side stream, inside the graph."""
+        composition's own staging ring on a side stream, inside the graph. `horizon`: calls the
+        composition is expected to make, this one included (the step plan's); None: unknown
+        (capture on call 2)."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
@@ -248,7 +248,7 @@ class StepGraphs:
             # one capture-safe TokenSet per grid length, built outside any capture (a capture
             # cannot hold their host -> device copies) and kept with the entry
             ctx.prepare_tokens()
-        if not self._should_capture(first, shape):
+        if not self._should_capture(first, shape, horizon):
             with use_context(ctx):
                 out = self._timed("eager", shape, lambda: self._call(fn, entry))
             # without CUDA (force_static) every call is the graph form's eager warm-up
@@ -280,7 +280,7 @@ class StepGraphs:
         self._captured.add(shape)
         return self._done("capture", out)
 
-    def _should_capture(self, first: bool, shape: Hashable) -> bool:
+    def _should_capture(self, first: bool, shape: Hashable, horizon: int | None) -> bool:
         """Whether this call of a composition without a graph captures one. "always": on call
         2. "auto": when capture_pays; on call 1 only once a composition of this batch shape
         was captured (its kernels, cuBLAS and cuDNN plans are loaded: a capture cannot load
@@ -291,7 +291,7 @@ class StepGraphs:
             return not first
         if first and not (self.capture_first and shape in self._captured):
             return False
-        return capture_pays(self.costs, shape, self.horizon)
+        return capture_pays(self.costs, shape, horizon)
 
     @staticmethod
     def _write_steps(entry: _Entry, ctx: StepContext) -> None:

@@ -37,6 +37,7 @@ from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.sizing import pixel_hint, resolve_limits, working_size
 from instgenie.engine.templates import TemplateRecord, TemplateSpec, template_key
 from instgenie.errors import TooManyPixelsError, ValidationError
+from instgenie.scheduler.step import GraphUse, StepPlan, members_of
 
 MAX_SEED = 2**63 - 1
 
@@ -86,13 +87,12 @@ class EditPipeline:
         #: max_image_pixels = 0 (the default) resolves to the family's native area x 4
         self.limits = resolve_limits(limits or LimitsConfig(), family.default_size)
         self.store = store if store is not None else InMemoryStore(family.device)
-        family.masked.store = self.store
         self.templates: dict[str, TemplateRecord] = {}
-        #: with a fitted profile, a per-step planner picks the blocks that compute all tokens
+        #: with a fitted profile, the load planner picks the blocks that compute all tokens in
+        #: each step's plan (compute_all)
         self.cost_model = None
         if profile is not None:
             self.cost_model = StepCostModel.for_family(profile, family)
-            family.masked.planner = self.cost_model.plan
 
     @classmethod
     def load(
@@ -331,18 +331,48 @@ class EditPipeline:
         state.extras["cache"], state.extras["cache_tier"] = "hit", tier
 
     # ---- denoise -------------------------------------------------------------------------------
-    def denoise_step(self, batch: Sequence[RequestState], horizon: int | None = None) -> None:
-        """One step for every request in `batch`, each at its own step index. `horizon`: how
-        many steps, this one included, the batch is expected to keep these members (the serving
-        loop knows; it decides whether a CUDA graph of the batch pays, engine/graphs.py)."""
+    def prepare_reads(self, batch: Sequence[RequestState]) -> None:
+        """Make every cache-reading request's rows of its coming step readable (a host-tier
+        cache gets its device step window, decided once); raises CacheReadFailed naming the one
+        request whose cache cannot be read, before anything is computed. Call it before the
+        step is planned: the load planner prices a windowed host cache as device-resident."""
+        with torch.inference_mode():
+            self.family.masked.prepare_reads(list(batch))
+
+    def compute_all(self, batch: Sequence[RequestState]) -> frozenset[int]:
+        """The load planner's decision for one step of `batch`: the blocks that compute every
+        token. Empty without a fitted profile or when no request reads a cache."""
+        if self.cost_model is None or not any(s.cache_handle is not None for s in batch):
+            return frozenset()
+        return self.cost_model.compute_all(list(batch))
+
+    def plan_step(
+        self,
+        batch: Sequence[RequestState],
+        *,
+        index: int = 0,
+        horizon: int | None = None,
+        graph: GraphUse = GraphUse.AUTO,
+        timed: bool = False,
+    ) -> StepPlan:
+        """The plan of one step of `batch` outside a serving loop (scripts, benchmarks, the
+        profiler; the worker's batcher builds its own): members at their step indices and the
+        load planner's compute-all set. Call after prepare_reads."""
+        return StepPlan(index=index, members=members_of(batch), horizon=horizon,
+                        compute_all=self.compute_all(batch), graph=graph, timed=timed)  # fmt: skip
+
+    def denoise_step(self, batch: Sequence[RequestState], plan: StepPlan | None = None) -> None:
+        """One step for every unfinished request in `batch`, each at its own step index, as
+        `plan` says (its members must be exactly those requests; the caller ran prepare_reads
+        before planning). Without a plan: prepare_reads, then plan_step with defaults."""
         active = [s for s in batch if not s.is_done]
-        graphs = self.family.masked.graphs
-        graphs.horizon = horizon
-        try:
-            with torch.inference_mode():
-                self.family.denoise_step(active)
-        finally:
-            graphs.horizon = None
+        if not active:
+            return
+        if plan is None:
+            self.prepare_reads(active)
+            plan = self.plan_step(active)
+        with torch.inference_mode():
+            self.family.denoise_step(active, plan)
         for s in active:
             if s.is_done:
                 self.release(s)

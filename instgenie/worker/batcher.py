@@ -1,9 +1,11 @@
 """The denoise loop's state machine: waiting -> running -> retired, one step at a time.
 
-    receive (caller) -> admit (policy) -> plan + one denoising step (pipeline) -> retire
+    receive (caller) -> admit (policy) -> StepPlan -> one denoising step (pipeline) -> retire
 
 No sockets and no processes here: the loop process feeds it prepared requests and aborts, and
-drains what it retires; tests drive it directly. Every step appends a `StepRecord`.
+drains what it retires; tests drive it directly. Each iteration builds one `StepPlan` (members at
+their step indices, who joined, the horizon, the load planner's compute-all set) and passes it
+to the pipeline; every step appends its `StepEntry` (the step log's wire type).
 """
 
 from __future__ import annotations
@@ -19,24 +21,9 @@ from instgenie.engine.graphs import costliest_mode
 from instgenie.engine.masked.executor import CacheReadFailed
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import RequestState
+from instgenie.messages import StepEntry
+from instgenie.scheduler.step import StepPlan, horizon_of, members_of
 from instgenie.worker.policies import Policy
-
-
-@dataclass
-class StepRecord:
-    step: int  # loop iteration counter (steps executed so far)
-    t_start: float  # unix seconds
-    duration_ms: float
-    members: list[tuple[str, int]]  # (uid, step index before this step)
-    joined: list[str]
-    #: per joined uid: submit() -> admitted, ms
-    waited_ms: list[float]
-    left: list[str]
-    bytes_loaded: int
-    compute_all_blocks: int
-    policy: str
-    graph: str  # engine.graphs mode of the step's backbone calls (StepEntry.graph)
-    tiers: dict[str, int] = field(default_factory=dict)  # cache readers by serving tier
 
 
 @dataclass
@@ -55,7 +42,7 @@ class Batcher:
     on_step: Callable[[list[RequestState]], None] | None = None
     waiting: deque[RequestState] = field(default_factory=deque)
     running: list[RequestState] = field(default_factory=list)
-    records: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=10_000))
+    records: deque[StepEntry] = field(default_factory=lambda: deque(maxlen=10_000))
     steps: int = 0
     _aborted: set[str] = field(default_factory=set)
     _submitted: dict[str, float] = field(default_factory=dict)  # uid -> perf_counter()
@@ -79,22 +66,23 @@ class Batcher:
             self._aborted.add(uid)
 
     def iterate(self) -> list[Retired]:
-        """One loop iteration: drop aborted requests, admit, step, retire. Returns retirees."""
+        """One loop iteration: drop aborted requests, admit, plan, step, retire. Returns
+        retirees."""
         retired = self._drop_aborted()
         joined = self.policy.admit(self.running, self.waiting, self.max_batch)
         self.running.extend(joined)
         if not self.running:
             return retired
-        members = [(s.uid, s.step_index) for s in self.running]
         stepped = list(self.running)
         graphs = self.pipe.family.masked.graphs
         before = dict(graphs.counters)
         t0, wall0 = time.perf_counter(), time.time()
         waited = [1e3 * (t0 - self._submitted.pop(s.uid, t0)) for s in joined]
         try:
+            plan = self.plan([s.uid for s in joined])
             # no device sync: the host enqueues step n + 1 while the GPU runs step n, so the
             # recorded duration is host time between step starts (≈ GPU step time when busy)
-            self.pipe.denoise_step(self.running, self.horizon())
+            self.pipe.denoise_step(self.running, plan)
         except CacheReadFailed as exc:  # before anything ran: only that request fails
             bad = [s for s in self.running if s.uid == exc.uid]
             self.running = [s for s in self.running if s.uid != exc.uid]
@@ -116,18 +104,18 @@ class Batcher:
             retired.append(Retired(s, _check_finite(s)))
         ex = self.pipe.family.masked
         ctx = ex.last_context
+        loaded = ctx.loader.bytes_loaded if ctx is not None and ctx.loader is not None else 0
         self.records.append(
-            StepRecord(
-                step=self.steps,
+            StepEntry(
+                step=plan.index,
                 t_start=wall0,
                 duration_ms=ms,
-                members=members,
-                joined=[s.uid for s in joined],
+                members=[(m.uid, m.step) for m in plan.members],
+                joined=list(plan.joined),
                 waited_ms=waited,
                 left=[s.uid for s in done],
-                bytes_loaded=(ctx.loader.bytes_loaded if ctx and ctx.loader else 0)
-                + ex.last_window_bytes,
-                compute_all_blocks=len(ctx.compute_all) if ctx else 0,
+                bytes_loaded=loaded + ex.last_window_bytes,
+                compute_all_blocks=len(plan.compute_all),
                 policy=self.policy.name,
                 graph=costliest_mode(graphs.counters, before),
                 tiers=dict(
@@ -140,11 +128,19 @@ class Batcher:
             self.on_step([s for s in self.running] + done)
         return retired
 
-    def horizon(self) -> int:
-        """Steps, the coming one included, that the running batch keeps its members unless a
-        request arrives or is aborted: until its first member finishes. An upper bound: every
-        waiting request that fits has just been admitted, and arrivals are not predicted."""
-        return min(s.num_steps - s.step_index for s in self.running)
+    def plan(self, joined: list[str]) -> StepPlan:
+        """This iteration's StepPlan for the running batch. Reads are prepared first (a host
+        cache gets its device window before the load planner prices it; a cache that cannot be
+        read raises CacheReadFailed for its request alone)."""
+        self.pipe.prepare_reads(self.running)
+        members = members_of(self.running)
+        return StepPlan(
+            index=self.steps,
+            members=members,
+            joined=tuple(joined),
+            horizon=horizon_of(members),
+            compute_all=self.pipe.compute_all(self.running),
+        )
 
     def _drop_aborted(self) -> list[Retired]:
         if not self._aborted:

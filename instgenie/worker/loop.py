@@ -44,7 +44,6 @@ from instgenie.messages import (
     Prepared,
     Progress,
     RegisterTemplate,
-    StepEntry,
     StopProcess,
     SubmitEdit,
     TemplateReady,
@@ -390,8 +389,7 @@ class Loop:
             for rec in records:
                 for uid in rec.joined:
                     self.joined_at.setdefault(uid, rec.t_start)
-            entries = [StepEntry(**dataclasses.asdict(rec)) for rec in records]
-            self.rt.send(LoopSteps(entries=entries, cache=self._cache_counters()))
+            self.rt.send(LoopSteps(entries=records, cache=self._cache_counters()))
             self.reported = self.batcher.steps
 
     def _cache_counters(self) -> dict[str, float]:

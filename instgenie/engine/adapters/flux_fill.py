@@ -32,6 +32,7 @@ from instgenie.engine.masked.tokens import flux_token_masks
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.schedule import flow_match_step
 from instgenie.errors import BatchError
+from instgenie.scheduler.step import StepPlan
 
 TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
     "full": dict(
@@ -229,7 +230,7 @@ class FluxFill(AdapterBase):
 
         return encode
 
-    def denoise_step(self, batch: list[RequestState]) -> None:
+    def denoise_step(self, batch: list[RequestState], plan: StepPlan) -> None:
         if not batch:
             return
         keys = {s.batch_key for s in batch}
@@ -244,6 +245,7 @@ class FluxFill(AdapterBase):
         timestep = t.to(dev).to(latents.dtype) / 1000
         out = self.masked.run_backbone(
             batch,
+            plan,
             self._transformer,
             hidden_states=hidden,
             timestep=timestep,

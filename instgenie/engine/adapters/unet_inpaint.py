@@ -26,6 +26,7 @@ from instgenie.engine.masked.tokens import unet_token_masks
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.schedule import euler_scale_input, euler_step
 from instgenie.errors import BatchError, ModelLoadError
+from instgenie.scheduler.step import StepPlan
 
 _NHWC = torch.channels_last
 
@@ -182,7 +183,7 @@ class UNetInpaintAdapter(AdapterBase):
         )
 
     # ---- one denoising step for a mixed batch ------------------------------------------------
-    def denoise_step(self, batch: list[RequestState]) -> None:
+    def denoise_step(self, batch: list[RequestState], plan: StepPlan) -> None:
         if not batch:
             return
         keys = {s.batch_key for s in batch}
@@ -198,7 +199,12 @@ class UNetInpaintAdapter(AdapterBase):
         cond = {k: torch.cat([s.cond[k] for s in batch]) for k in batch[0].cond}
         x = torch.cat([x, cond["mask"], cond["masked_image_latents"]], dim=1)
         out = self.masked.run_backbone(
-            batch, self._unet, x, t.repeat_interleave(rows).to(dev), **self.unet_kwargs(cond)
+            batch,
+            plan,
+            self._unet,
+            x,
+            t.repeat_interleave(rows).to(dev),
+            **self.unet_kwargs(cond),
         )
 
         eps, off = [], 0

@@ -32,6 +32,7 @@ from instgenie.engine.attention import resolve_backend
 from instgenie.engine.graphs import StepGraphs
 from instgenie.engine.masked import hooks
 from instgenie.engine.masked.context import (
+    BlockTimer,
     RequestRows,
     StepContext,
     composition_key,
@@ -39,6 +40,7 @@ from instgenie.engine.masked.context import (
 )
 from instgenie.engine.request import RequestState
 from instgenie.errors import ModelLoadError
+from instgenie.scheduler.step import StepPlan
 
 
 class CacheReadFailed(RuntimeError):
@@ -51,19 +53,11 @@ class CacheReadFailed(RuntimeError):
         self.uid, self.cause = uid, cause
 
 
-#: (batch, context) -> block ids that compute all tokens this step (the load planner)
-Planner = Callable[[list[RequestState], StepContext], frozenset[int]]
-
-
 class MaskedExecutor:
     def __init__(self, backbone: torch.nn.Module, device: torch.device) -> None:
         self.blocks = hooks.install(backbone)
         self.block_order = [b.block_id for b in self.blocks]
         self.device = device
-        self.store = None
-        #: block ids that compute all tokens (no cache read); a planner may set it per step
-        self.compute_all: frozenset[int] = frozenset()
-        self.planner: Planner | None = None
         #: None = INSTGENIE_ATTENTION_BACKEND / auto
         self.attention_backend: str | None = None
         try:  # a bad setting fails the model load, not the first step that reads a cache
@@ -94,8 +88,6 @@ class MaskedExecutor:
         #: the context of the last step (tests and the step log read it)
         self.last_context: StepContext | None = None
         self._token_cache: tuple | None = None
-        #: a BlockTimer attached to every step's context (the profiler sets it)
-        self.timer_factory: Callable[[], object] | None = None
         #: CUDA-graph replay of steps whose composition repeats (engine/graphs.py); a graph
         #: whose step reads host memory owns a loader (its ring is part of the graph)
         self.graphs = StepGraphs(device, env.cuda_graphs(), capture=env.graph_capture())
@@ -103,22 +95,27 @@ class MaskedExecutor:
     def run_backbone(
         self,
         batch: list[RequestState],
+        plan: StepPlan,
         fn: Callable[..., torch.Tensor],
         *args: Any,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """fn(*args, **kwargs) — the backbone call of one step — under this step's context,
-        replayed from a CUDA graph when the batch's composition repeats."""
+        """fn(*args, **kwargs) — the backbone call of one step — under the context `plan`
+        describes, replayed from a CUDA graph when the batch's composition repeats and the plan
+        allows graphs. Call `prepare_reads(batch)` first (before the plan is made)."""
+        plan.check_batch(batch)
         dtype = batch[0].latents.dtype
-        windows = self._prepare_reads(batch, dtype)  # before the plan: windows load nothing
+        windows = [(s.cache_handle.window, s.step_index) for s in batch
+                   if getattr(s.cache_handle, "window", None) is not None]  # fmt: skip
         copied = sum(w.bytes_copied for w, _ in windows)
-        ctx = self.context(batch)
+        ctx = self.context(batch, plan)
         try:
-            if self.graphs.eligible(ctx, dtype, self.block_order):
+            if plan.may_graph and self.graphs.eligible(ctx, dtype, self.block_order):
                 key = (composition_key(batch), None if ctx is None else ctx.compute_all)
                 streamed = ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests)
                 loader = self._graph_loader if streamed else None
-                return self.graphs.run(key, ctx, fn, args, kwargs, make_loader=loader)
+                return self.graphs.run(key, ctx, fn, args, kwargs, make_loader=loader,
+                                       horizon=plan.horizon)  # fmt: skip
             self.graphs.eager()
             if ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests):
                 ctx.start_loads(self._loader(batch), self._loads(ctx, batch))
@@ -132,15 +129,16 @@ class MaskedExecutor:
                     pass  # the next step's copy failed: its prepare() raises it for that request
             self.last_window_bytes = sum(w.bytes_copied for w, _ in windows) - copied
 
-    def _prepare_reads(self, batch: list[RequestState], dtype: torch.dtype) -> list:
-        """Before the step computes anything, make every cache-reading request's rows of this
-        step readable, so one that cannot be read fails alone (CacheReadFailed): host-tier
-        handles get a device step window (within window_budget_bytes; cache/window.py) whose
-        slot is made ready — their steps then read device memory, DMA'd one step ahead, like a
-        GPU-resident cache — or, without one, read (and verify) the step now. Returns the
-        (window, step) pairs to finish with done()."""
+    def prepare_reads(self, batch: list[RequestState]) -> None:
+        """Before the step is planned or computes anything, make every cache-reading
+        request's rows of this step readable, so one that cannot be read fails alone
+        (CacheReadFailed): host-tier handles get a device step window (within
+        window_budget_bytes; cache/window.py) whose slot is made ready — their steps then read
+        device memory, DMA'd one step ahead, like a GPU-resident cache — or, without one, read
+        (and verify) the step now. The load planner then prices a windowed cache as
+        device-resident; run_backbone finishes each window's step (done())."""
         use = self.windows == "on" or (self.windows == "auto" and self.device.type == "cuda")
-        out = []
+        dtype = batch[0].latents.dtype
         for state in batch:
             h = state.cache_handle
             if h is None or not hasattr(h, "host_block"):
@@ -154,8 +152,6 @@ class MaskedExecutor:
                 h.window.prepare(state.step_index)
             except CacheMiss as e:
                 raise CacheReadFailed(state.uid, e) from e
-            out.append((h.window, state.step_index))
-        return out
 
     def _new_window(self, h: Any, dtype: torch.dtype) -> StepWindow | None:
         """A device step window for host handle `h`, or None (fp8 rows, over the budget, or
@@ -188,8 +184,10 @@ class MaskedExecutor:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
-    def context(self, batch: list[RequestState]) -> StepContext | None:
-        if self.timer_factory is None and not any(
+    def context(self, batch: list[RequestState], plan: StepPlan) -> StepContext | None:
+        """The step's context (None: no request reads or records a cache and nothing is timed:
+        the blocks run their stock forward)."""
+        if not plan.timed and not any(
             s.cache_handle is not None or s.writer is not None for s in batch
         ):
             self.last_context = None
@@ -207,7 +205,7 @@ class MaskedExecutor:
                 )
             )
             start += s.num_rows
-        ctx = StepContext(rows, self.device, self.compute_all, self.attention_backend,
+        ctx = StepContext(rows, self.device, plan.compute_all, self.attention_backend,
                           tuple(self.block_order))  # fmt: skip
         # token sets depend only on the batch's composition: reuse them across its steps
         key = composition_key(batch)
@@ -215,10 +213,8 @@ class MaskedExecutor:
             ctx._tokens, ctx._joint = self._token_cache[1], self._token_cache[2]
         else:
             self._token_cache = (key, ctx._tokens, ctx._joint)
-        if self.timer_factory is not None:
-            ctx.timer = self.timer_factory()
-        if self.planner is not None and ctx.reads_cache:
-            ctx.compute_all = self.planner(batch, ctx)
+        if plan.timed:
+            ctx.timer = BlockTimer(self.device)
         self.last_context = ctx
         return ctx
 

@@ -1,0 +1,1 @@
+"""Everything that decides, as pure Python (no torch): step plans, pricing, routing."""
