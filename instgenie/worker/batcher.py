@@ -66,13 +66,18 @@ class Batcher:
             self._aborted.add(uid)
 
     def iterate(self) -> list[Retired]:
-        """One loop iteration: drop aborted requests, admit, plan, step, retire. Returns
-        retirees."""
+        """One loop iteration: drop aborted requests, admit, plan and run one step, retire.
+        Returns retirees."""
         retired = self._drop_aborted()
         joined = self.policy.admit(self.running, self.waiting, self.max_batch)
         self.running.extend(joined)
-        if not self.running:
-            return retired
+        if self.running:
+            retired += self._step(joined)
+        return retired
+
+    def _step(self, joined: list[RequestState]) -> list[Retired]:
+        """Plan and run one step of the running batch; record it; retire finished requests (or
+        the ones a failure hit)."""
         stepped = list(self.running)
         graphs = self.pipe.family.masked.graphs
         before = dict(graphs.counters)
@@ -89,19 +94,17 @@ class Batcher:
             for s in bad:
                 self.pipe.release(s)
             message = f"the template's cache could not be read ({exc}); it is captured again"
-            return retired + [Retired(s, ("cache_unreadable", message)) for s in bad]
+            return [Retired(s, ("cache_unreadable", message)) for s in bad]
         except Exception as exc:  # the whole batch shares the failed step
             failed = [Retired(s, ("internal_error", f"denoising step failed: {exc}"))
                       for s in self.running]  # fmt: skip
             for r in failed:
                 self.pipe.release(r.state)
             self.running = []
-            return retired + failed
+            return failed
         ms = 1e3 * (time.perf_counter() - t0)
         done = [s for s in self.running if s.is_done]
         self.running = [s for s in self.running if not s.is_done]
-        for s in done:
-            retired.append(Retired(s, _check_finite(s)))
         ex = self.pipe.family.masked
         ctx = ex.last_context
         loaded = ctx.loader.bytes_loaded if ctx is not None and ctx.loader is not None else 0
@@ -126,7 +129,7 @@ class Batcher:
         self.steps += 1
         if self.on_step is not None:
             self.on_step([s for s in self.running] + done)
-        return retired
+        return [Retired(s, _check_finite(s)) for s in done]
 
     def plan(self, joined: list[str]) -> StepPlan:
         """This iteration's StepPlan for the running batch. Reads are prepared first (a host
