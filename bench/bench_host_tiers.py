@@ -152,8 +152,8 @@ def main() -> None:
 
     ex = fam.masked
     if args.profile:
-        from instgenie.cache.costmodel import StepCostModel
-        from instgenie.cache.profiler import Profile
+        from instgenie.engine.step_pricing import StepCostModel
+        from instgenie.engine.profiling import Profile
 
         ex.planner = StepCostModel.for_family(Profile.load_file(args.profile), fam).plan
     masks = [encode_image(ratio_mask(size, size, args.ratio + 0.02 * i, fam.granule), "png")

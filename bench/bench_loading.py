@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_masked_step import environment  # noqa: E402
-from instgenie.cache.costmodel import StepCostModel  # noqa: E402
-from instgenie.cache.profiler import Profile, profile_dram_load  # noqa: E402
+from instgenie.engine.step_pricing import StepCostModel  # noqa: E402
+from instgenie.engine.profiling import Profile, profile_dram_load  # noqa: E402
 from instgenie.cache.quant import FP8  # noqa: E402
 from instgenie.cache.store import InMemoryStore  # noqa: E402
 from instgenie.engine.family import load_family  # noqa: E402

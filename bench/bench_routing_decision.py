@@ -18,10 +18,10 @@ import statistics
 import time
 from pathlib import Path
 
-from instgenie.cache.costspec import profile_fits
-from instgenie.cache.profiler import Profile
+from instgenie.engine.costspec import profile_fits
+from instgenie.engine.profiling import Profile
 from instgenie.messages import CostBlock, CostSpec
-from instgenie.server.routing import MaskAware, RouteRequest, WorkerView
+from instgenie.scheduler.routing import MaskAware, RouteRequest, WorkerView
 
 PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "sdxl-inpaint-full-h200.json"
 

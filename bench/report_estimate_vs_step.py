@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_routing_decision import sdxl_spec  # noqa: E402
-from instgenie.server.estimate import Estimator  # noqa: E402
+from instgenie.scheduler.estimate import Estimator  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from instgenie.cache.costspec import cost_spec
+from instgenie.engine.costspec import cost_spec
 from instgenie.config import LimitsConfig
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
@@ -95,7 +95,7 @@ def test_cost_is_priced_in_native_edits_and_refused_over_budget() -> None:
 
 
 def test_seconds_budget_applies_with_a_profile() -> None:
-    from instgenie.cache.profiler import Profile
+    from instgenie.engine.profiling import Profile
     from instgenie.engine.family import load_family
 
     profile = Profile.load_file(
@@ -225,7 +225,7 @@ def test_a_stage_overruns_past_a_multiple_of_its_profiled_time() -> None:
     from instgenie.config import Config
     from instgenie.messages import CostFit
     from instgenie.server.pool import STAGE_OVERRUN_FACTOR, STAGE_OVERRUN_FLOOR_S, WorkerSlot
-    from instgenie.server.routing import RouteRequest
+    from instgenie.scheduler.routing import RouteRequest
 
     spec = cost_spec(EditPipeline.load("sd2-inpaint:tiny"))
     slot = WorkerSlot(0, Config(), 4, state="up")

@@ -18,7 +18,7 @@ from instgenie.server.config import ServerConfig
 from instgenie.server.dispatcher import Dispatcher
 from instgenie.server.errors import ApiError
 from instgenie.server.pool import WorkerSlot
-from instgenie.server.routing import LeastLoaded, RouteRequest
+from instgenie.scheduler.routing import LeastLoaded, RouteRequest
 from instgenie.worker.client import WorkerError
 
 ROUTE = RouteRequest(template_id=None, num_steps=2, pixels=64 * 64)

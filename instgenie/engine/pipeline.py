@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from instgenie.cache.costmodel import StepCostModel
+from instgenie.engine.step_pricing import StepCostModel
 from instgenie.cache.disk import CacheMiss
-from instgenie.cache.profiler import Profile
+from instgenie.engine.profiling import Profile
 from instgenie.cache.store import ActivationStore, InMemoryStore, TemplateMeta, tier_of
 from instgenie.config import LimitsConfig
 from instgenie.engine.family import ModelFamily, load_family

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from instgenie.messages import CostSpec
 from instgenie.server.errors import ApiError
-from instgenie.server.estimate import Estimator
+from instgenie.scheduler.estimate import Estimator
 
 #: max_request_cost = 0: this many native edits. An edit at the default pixel cap (4x the native
 #: area) with the default steps costs 7-13 of them on the tiny models (attention grows with the

@@ -31,7 +31,7 @@ from instgenie.messages import EditDone, MessageError, Progress, SubmitEdit
 from instgenie.server.config import ServerConfig
 from instgenie.server.errors import ApiError, from_worker
 from instgenie.server.pool import WorkerPool, WorkerSlot
-from instgenie.server.routing import RouteRequest, RoutingPolicy
+from instgenie.scheduler.routing import RouteRequest, RoutingPolicy
 from instgenie.worker.client import WorkerError
 
 #: why a request that timed out never started

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from instgenie.config import Config
 from instgenie.messages import CostSpec
-from instgenie.server.estimate import fit_ms
-from instgenie.server.routing import RouteRequest, WorkerView
+from instgenie.scheduler.estimate import fit_ms
+from instgenie.scheduler.routing import RouteRequest, WorkerView
 from instgenie.worker.client import WorkerClient, WorkerHandle
 
 log = logging.getLogger("instgenie.server")

@@ -19,7 +19,7 @@ from instgenie.engine.graphs import costliest_mode
 from instgenie.engine.masked.executor import CacheReadFailed
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import RequestState
-from instgenie.worker.policies import Policy
+from instgenie.scheduler.batching import Policy
 
 
 @dataclass

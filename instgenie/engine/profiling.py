@@ -4,7 +4,7 @@ latency per tier; linear fits (scikit-learn) that the load planner and the route
 Compute: every hooked block is timed (CUDA events on the compute stream) over a grid of mask
 ratios and batch sizes, once computing only masked tokens from a GPU-resident cache ("cached")
 and once computing all tokens ("full"). Each block class (kind and width) gets one model per mode:
-latency_ms = slope * FLOPs + intercept, FLOPs from instgenie.cache.costs (paper Table 1 with
+latency_ms = slope * FLOPs + intercept, FLOPs from instgenie.scheduler.pricing (paper Table 1 with
 keys/values over all tokens). The rest of the step (everything outside the transformer blocks:
 ResNets, norms, the scheduler; what the whole step takes beyond its blocks) gets one model,
 latency_ms = slope * (batch rows * pixels) + intercept ("other"; the router adds it to a batch's
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from sklearn.linear_model import LinearRegression
 
-from instgenie.cache.costs import BlockDims, batch_flops, block_dims
+from instgenie.scheduler.pricing import BlockDims, batch_flops, block_dims
 
 MODES = ("cached", "full")
 #: the loop's per-request model work outside its steps, fitted against pixels

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from instgenie.cache.costs import BlockDims, cached_bytes, row_macs
-from instgenie.cache.planner import BlockCosts, plan_step
+from instgenie.scheduler.pricing import BlockDims, cached_bytes, row_macs
+from instgenie.scheduler.planner import BlockCosts, plan_step
 from instgenie.messages import CostFit, CostSpec
 
 #: FLOPs per millisecond of the nominal device that prices batches without a profile

@@ -1,5 +1,5 @@
 """The worker's CostSpec: what the API server's mask-aware router needs to price a batch on this
-worker without a model or torch (messages.CostSpec; priced by instgenie.server.estimate).
+worker without a model or torch (messages.CostSpec; priced by instgenie.scheduler.estimate).
 
 Built by the denoise loop once its model is loaded, from the model itself (each hooked block's
 dimensions and token stride, the prompt length, CFG) and its fitted latency profile, if any
@@ -9,7 +9,7 @@ clients in Stats when asked (GetStats.cost).
 
 from __future__ import annotations
 
-from instgenie.cache.costs import block_dims
+from instgenie.scheduler.pricing import block_dims
 from instgenie.messages import CostBlock, CostFit, CostSpec
 
 

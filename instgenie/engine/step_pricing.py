@@ -10,9 +10,9 @@ planner (planner.plan_step) turns these into the set of blocks that compute all 
 
 from __future__ import annotations
 
-from instgenie.cache.costs import BlockDims, batch_flops, block_dims, cached_bytes
-from instgenie.cache.planner import BlockCosts, Plan, plan_step
-from instgenie.cache.profiler import Profile
+from instgenie.scheduler.pricing import BlockDims, batch_flops, block_dims, cached_bytes
+from instgenie.scheduler.planner import BlockCosts, Plan, plan_step
+from instgenie.engine.profiling import Profile
 from instgenie.engine.masked.context import StepContext, composition_key
 from instgenie.engine.request import RequestState
 

@@ -5,7 +5,7 @@ by the load planner (per step) and by the profiler (to fit latency against FLOPs
 Counting convention: 2 FLOPs per multiply-add, matmuls and attention only (what
 torch.utils.flop_counter counts), so predictions and counted FLOPs agree.
 Importing this module loads neither torch nor diffusers (only `block_dims` does): the API
-server's router (instgenie.server.estimate) prices batches with it.
+server's router (instgenie.scheduler.estimate) prices batches with it.
 """
 
 from __future__ import annotations

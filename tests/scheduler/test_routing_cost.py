@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from instgenie.cache.costs import batch_flops
-from instgenie.cache.costspec import cost_spec
-from instgenie.cache.planner import plan_step
-from instgenie.cache.profiler import LinearFit, Profile
+from instgenie.scheduler.pricing import batch_flops
+from instgenie.engine.costspec import cost_spec
+from instgenie.scheduler.planner import plan_step
+from instgenie.engine.profiling import LinearFit, Profile
 from instgenie.engine.family import load_family
 from instgenie.engine.imageio import encode_image
 from instgenie.engine.masked.tokens import pixel_mask_tensor
@@ -24,8 +24,8 @@ from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
 from instgenie.messages import CostBlock, CostFit, CostSpec
-from instgenie.server.estimate import NOMINAL_FLOPS_PER_MS, Estimator, token_ratios
-from instgenie.server.routing import LeastLoaded, MaskAware, RouteRequest, WorkerView
+from instgenie.scheduler.estimate import NOMINAL_FLOPS_PER_MS, Estimator, token_ratios
+from instgenie.scheduler.routing import LeastLoaded, MaskAware, RouteRequest, WorkerView
 from tests.conftest import FAMILIES, make_image, png_bytes, tiny_pipeline
 
 PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "sdxl-inpaint-tiny-cpu.json"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from instgenie.messages import CostSpec
-from instgenie.server.estimate import Estimator, Work
+from instgenie.scheduler.estimate import Estimator, Work
 
 
 @dataclass(frozen=True)
