@@ -152,10 +152,12 @@ def main() -> None:
 
     ex = fam.masked
     if args.profile:
-        from instgenie.engine.step_pricing import StepCostModel
-        from instgenie.engine.profiling import Profile
+        from instgenie.engine.costspec import model_cost_spec
+        from instgenie.engine.step_pricing import StepPricer
+        from instgenie.scheduler.fits import Profile
 
-        ex.planner = StepCostModel.for_family(Profile.load_file(args.profile), fam).plan
+        spec = model_cost_spec(fam, str(dram.store_dtype()), Profile.load_file(args.profile))
+        ex.planner = StepPricer(spec, fam.device).plan
     masks = [encode_image(ratio_mask(size, size, args.ratio + 0.02 * i, fam.granule), "png")
              for i in range(args.batch)]  # fmt: skip
     # (name, pipeline, graph mode, step windows)

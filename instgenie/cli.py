@@ -170,8 +170,8 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     quiet_libraries()
-    from instgenie.engine.profiling import r2_report
     from instgenie.engine.family import check_model_config
+    from instgenie.engine.profiling import r2_report
 
     model = dataclass_from_args(ModelConfig, args)
     check_model_config(model)
@@ -198,7 +198,7 @@ def _disk_dir(path: str) -> None:
 
 def _stages_base(path: str):
     """The profile `--stages-only` adds its stage fits to (it must exist and parse)."""
-    from instgenie.engine.profiling import Profile
+    from instgenie.scheduler.fits import Profile
 
     try:
         return Profile.load_file(path)

@@ -1,73 +1,70 @@
-"""Per-step cost estimates for the load planner, from a fitted profile (profiles/*.json).
+"""The worker's per-step planner: which blocks of this step compute all tokens.
 
-For the batch of one step and every hooked block b (execution order): the predicted latency of
-computing the batch's masked tokens ("cached" fit of b's class at the batch's FLOPs), of
-computing every token ("full" fit), and of loading the cache-reading requests' rows of b (the
-tier's load fit at their bytes, one copy per request; zero for device-resident caches and for
-host caches read through a device step window). The
-planner (planner.plan_step) turns these into the set of blocks that compute all tokens.
+A torch-side adapter over the scheduler: it summarises a batch of RequestState into what
+scheduler.pricing needs (the working size; per request its rows, its masked tokens on each token
+grid = `token_index[L].numel()`, and whether its cached rows are copied host -> device for the
+step: a host cache without a device step window; one read through a window is copied a step
+ahead, off the critical path, cache/window.py), prices it with `pricing.step_costs` and the
+worker's own CostSpec (the one it sends to the router, engine/costspec.py), and plans it with
+`planner.plan_step`. The router prices the same batch with the same function (scheduler.estimate).
 """
 
 from __future__ import annotations
 
-from instgenie.scheduler.pricing import BlockDims, batch_flops, block_dims, cached_bytes
-from instgenie.scheduler.planner import BlockCosts, Plan, plan_step
-from instgenie.engine.profiling import Profile
+from collections.abc import Sequence
+
 from instgenie.engine.masked.context import StepContext, composition_key
 from instgenie.engine.request import RequestState
+from instgenie.scheduler.planner import BlockCosts, Plan, plan_step
+from instgenie.scheduler.pricing import RequestWork, step_costs
+from instgenie.scheduler.spec import CostSpec
 
 
-class StepCostModel:
-    def __init__(self, profile: Profile, dims: dict[int, BlockDims], compute_device) -> None:
-        self.profile = profile
-        self.dims = dims
+class StepPricer:
+    def __init__(self, spec: CostSpec, compute_device) -> None:  # noqa: ANN001 - torch.device
+        self.spec = spec
         self.device = compute_device
+        #: token stride of each block id
+        self._strides = {b.block_id: b.stride for b in spec.blocks}
         #: the last step's plan (observability: the step log records it)
         self.last_plan: Plan | None = None
         self._last_key: tuple | None = None
 
-    @classmethod
-    def for_family(cls, profile: Profile, family) -> StepCostModel:
-        ex = family.masked
-        dims = {
-            b.block_id: block_dims(family.backbone.get_submodule(b.name), b.block_id, b.kind)
-            for b in ex.blocks
-        }
-        return cls(profile, dims, family.device)
-
-    def costs(self, batch: list[RequestState]) -> BlockCosts:
+    def works(self, batch: Sequence[RequestState]) -> tuple[int, list[RequestWork]]:
+        """(working pixels, one RequestWork per request) of a batch of one size with at least
+        one cache-reading request. ValueError if a cache's token grids are not the ones its
+        working size gives (pricing derives them from it)."""
         meta = next(s.cache_meta for s in batch if s.cache_meta is not None)
-        text_len = int(batch[0].cond["prompt_embeds"].shape[1])
-        cached_ms, full_ms, load_ms = [], [], []
-        for b in sorted(self.dims):
-            L, C = meta.block_shapes[b]
-            masked_rows, full_rows, loads = [], [], 0.0
-            for s in batch:
-                reads = s.cache_handle is not None
-                n = s.token_index[L].numel() if reads else L
-                masked_rows += [n] * s.num_rows
-                full_rows += [L] * s.num_rows
-                # a host cache with a device step window is copied a step ahead, off the
-                # critical path (cache/window.py): priced as device-resident
-                host = reads and s.cache_handle.device != self.device
-                if host and getattr(s.cache_handle, "window", None) is None:
-                    nbytes = cached_bytes(L, C, s.num_rows, s.cache_meta.cache_dtype)
-                    loads += self.profile.load_ms("dram", nbytes)
-            d = self.dims[b]
-            cached_ms.append(
-                self.profile.compute_ms(b, "cached", batch_flops(d, L, masked_rows, text_len))
-            )
-            full_ms.append(
-                self.profile.compute_ms(b, "full", batch_flops(d, L, full_rows, text_len))
-            )
-            load_ms.append(loads)
-        return BlockCosts(cached_ms, full_ms, load_ms)
+        pixels = batch[0].image.width * batch[0].image.height
+        grids: dict[int, int] = {}  # stride -> tokens of that grid
+        for b, stride in self._strides.items():
+            L = meta.block_shapes[b][0]
+            if grids.setdefault(stride, L) != L or max(1, pixels // (stride * stride)) != L:
+                raise ValueError(f"block {b}: {L} tokens at stride {stride}, not {pixels} px's")
+        works = []
+        for s in batch:
+            reads = s.cache_handle is not None
+            tokens = None
+            if reads:
+                tokens = tuple(sorted((st, s.token_index[L].numel()) for st, L in grids.items()))
+            host = reads and s.cache_handle.device != self.device
+            loads = host and getattr(s.cache_handle, "window", None) is None
+            works.append(RequestWork(s.num_rows, tokens, loads))
+        return pixels, works
 
-    def plan(self, batch: list[RequestState], ctx: StepContext) -> frozenset[int]:
-        """The executor's planner hook: block ids that compute all tokens this step. Costs do
-        not depend on the step index, so a batch of the same requests reuses the last plan."""
+    def costs(self, batch: Sequence[RequestState]) -> BlockCosts:
+        """Per block (execution order) the costs of one step of `batch` (pricing.step_costs)."""
+        return step_costs(self.spec, *self.works(batch))
+
+    def compute_all(self, batch: list[RequestState]) -> frozenset[int]:
+        """Block ids that compute all tokens this step. Costs do not depend on the step index,
+        so a batch of the same requests (composition_key) reuses the last plan."""
         key = composition_key(batch)
         if key != self._last_key or self.last_plan is None:
             self.last_plan = plan_step(self.costs(batch))
             self._last_key = key
         return frozenset(self.last_plan.compute_all)
+
+    def plan(self, batch: list[RequestState], ctx: StepContext | None) -> frozenset[int]:
+        """The executor's planner hook (engine.masked.executor.Planner): `compute_all`."""
+        return self.compute_all(batch)

@@ -3,39 +3,37 @@
 A worker's `CostSpec` (sent by its denoise loop at start) lists every transformer block's
 dimensions and token stride and, when the worker runs with a fitted profile, the same latency
 models its per-step load planner uses. From them `Estimator.step_ms` predicts one denoising step
-of a batch of requests as the worker's planner prices it (cache.costmodel): per block, the
-batch's masked compute ("cached" fit at the batch's FLOPs), its full compute ("full" fit) and the
-loads of cached rows not resident on the GPU, and the load planner's optimal plan (cache.planner,
-the paper's Algorithm 1) over them; plus the rest of the step (ResNets, norms, the scheduler: the
-profile's "other" fit at the batch's rows * pixels), which a masked request pays in full.
-`stage_ms` prices the loop's work per request outside its steps (prompt and VAE encode on
-receipt, VAE decode when it leaves; the profile's "stages" fits, sent only where that work runs in
-the loop's process), which the router's simulation adds between steps. Without a profile the
-fits are replaced by FLOPs at a nominal `NOMINAL_FLOPS_PER_MS` (relative prices), nothing is
-loaded, and neither the rest of the step nor the stages are priced. Not priced: the CPU work of
-pre/post-processing (image decode, paste-back, image encode). It runs beside the loop in the
-pre/post processes, except under the naive-continuous policy, which runs it inline (there the
-loop's per-request work is underpriced). Nor the slowdown that stages run by the pre/post
-processes on the loop's own GPU cause (model_stages="process" without a stage_device; decision
-0009). Pure Python (no torch): it runs in the API process.
+of a batch of requests with the worker's own pricing (pricing.step_costs, the one function its
+planner calls too): per block, the batch's masked compute ("cached" fit at the batch's FLOPs),
+its full compute ("full" fit) and the loads of cached rows not resident on the GPU, and the load
+planner's optimal plan (planner.plan_step, the paper's Algorithm 1) over them; plus the rest of
+the step (ResNets, norms, the scheduler: the profile's "other" fit at the batch's rows * pixels),
+which a masked request pays in full. `stage_ms` prices the loop's work per request outside its
+steps (prompt and VAE encode on receipt, VAE decode when it leaves; the profile's "stages" fits,
+sent only where that work runs in the loop's process), which the router's simulation adds
+between steps. Without a profile the fits are replaced by FLOPs at a nominal
+`pricing.NOMINAL_FLOPS_PER_MS` (relative prices), nothing is loaded, and neither the rest of the
+step nor the stages are priced. Not priced: the CPU work of pre/post-processing (image decode,
+paste-back, image encode). It runs beside the loop in the pre/post processes, except under the
+naive-continuous policy, which runs it inline (there the loop's per-request work is
+underpriced). Nor the slowdown that stages run by the pre/post processes on the loop's own GPU
+cause (model_stages="process" without a stage_device; decision 0009). Pure Python (no torch): it
+runs in the API process.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from instgenie.scheduler.pricing import BlockDims, cached_bytes, row_macs
+from instgenie.scheduler.fits import fit_ms
 from instgenie.scheduler.planner import BlockCosts, plan_step
-from instgenie.messages import CostFit, CostSpec
+from instgenie.scheduler.pricing import RequestWork, layout, step_costs
+from instgenie.scheduler.spec import CostSpec
 
-#: FLOPs per millisecond of the nominal device that prices batches without a profile
-#: (100 TFLOP/s); only ratios of such prices are used
-NOMINAL_FLOPS_PER_MS = 1e11
 #: tiers whose cached rows are copied host -> GPU for every step that reads them (the others,
 #: "gpu" and "cpu" = the loop's own device store, are read in place)
 HOST_TIERS = frozenset({"dram", "disk"})
@@ -55,24 +53,23 @@ class Work:
     ratios: tuple[tuple[int, float], ...] | None
     loads: bool = False  # its cached rows are copied host -> GPU every step
 
+    def request_work(self) -> RequestWork:
+        """What pricing needs: the masked tokens of each grid, round(ratio * tokens) clamped to
+        the grid's max(1, pixels // stride²) tokens."""
+        if self.ratios is None:
+            return RequestWork(self.rows, None, self.loads)
+        tokens = []
+        for s, r in self.ratios:
+            L = max(1, self.pixels // (s * s))
+            tokens.append((s, min(L, max(0, round(r * L)))))
+        return RequestWork(self.rows, tuple(tokens), self.loads)
+
 
 class Estimator:
     def __init__(self, spec: CostSpec) -> None:
         self.spec = spec
-        self.blocks = [
-            (BlockDims(b.block_id, b.kind, b.channels, b.ff_macs, b.context_dim, b.mlp), b.stride)
-            for b in sorted(spec.blocks, key=lambda b: b.block_id)
-        ]
-        self.strides = sorted({s for _, s in self.blocks})
+        self.strides = list(layout(spec).strides)
         self.fitted = bool(spec.compute)
-        # blocks of one class at one stride cost the same: price each such kind once
-        # (SDXL: 70 blocks, 2 kinds; Flux: 57 blocks, 2 kinds)
-        kinds: dict[tuple, int] = {}
-        self._seq = tuple(
-            kinds.setdefault((dataclasses.replace(d, block_id=0), s), len(kinds))
-            for d, s in self.blocks
-        )
-        self._kinds = list(kinds)
         self._prices: dict[frozenset, float] = {}
 
     # ---- one request -----------------------------------------------------------------------
@@ -123,54 +120,16 @@ class Estimator:
         return price
 
     def _group_ms(self, pixels: int, works: list[Work]) -> float:
-        """cache.costmodel.StepCostModel.costs for these requests, then the planner's plan."""
-        per_kind = self._kind_costs(pixels, works)
+        """The worker's pricing of these requests (one size), then the planner's plan."""
+        costs = self.block_costs(pixels, works)
         reads = any(w.ratios is not None for w in works)
         rows = sum(w.rows for w in works)
-        return self._blocks_ms(per_kind, reads) + self.other_ms(rows * pixels)
+        return blocks_ms(costs, reads) + self.other_ms(rows * pixels)
 
-    def block_costs(self, pixels: int, works: list[Work]) -> BlockCosts:
+    def block_costs(self, pixels: int, works: Sequence[Work]) -> BlockCosts:
         """Per block (execution order) the costs the worker's planner gets for this batch of
-        one size (cache.costmodel.StepCostModel.costs)."""
-        per_kind = self._kind_costs(pixels, works)
-        cols = zip(*(per_kind[k] for k in self._seq), strict=True)
-        cached, full, load = (tuple(c) for c in cols)
-        return BlockCosts(cached, full, load)
-
-    def _kind_costs(self, pixels: int, works: list[Work]) -> list[tuple[float, float, float]]:
-        """(cached ms, full ms, load ms) per block kind."""
-        spec, t = self.spec, self.spec.text_len
-        reads = any(w.ratios is not None for w in works)
-        rows = sum(w.rows for w in works)
-        per_kind = []
-        for d, stride in self._kinds:
-            L = max(1, pixels // (stride * stride))
-            counts: Counter[int] = Counter()  # masked tokens per row -> rows
-            load = 0.0
-            for w in works:
-                r = None if w.ratios is None else dict(w.ratios)[stride]
-                n = L if r is None else min(L, max(0, round(r * L)))
-                counts[n] += w.rows
-                if w.loads:  # one copy per request, each priced by the fit (as the worker does)
-                    nbytes = cached_bytes(L, d.channels, w.rows, spec.cache_dtype)
-                    load += fit_ms(spec.load.get("dram"), nbytes)
-            # = batch_flops(d, L, rows' masked tokens, t): a sum of per-row terms
-            full = self._compute_ms(d, "full", 2 * rows * row_macs(d, L, L, t))
-            cached = full
-            if reads:
-                flops = 2 * sum(k * row_macs(d, L, n, t) for n, k in counts.items())
-                cached = self._compute_ms(d, "cached", flops)
-            per_kind.append((cached, full, load))
-        return per_kind
-
-    def _blocks_ms(self, per_kind: list[tuple[float, float, float]], reads: bool) -> float:
-        if not reads:
-            return sum(per_kind[k][1] for k in self._seq)
-        costs = [per_kind[k] for k in self._seq]
-        if not any(c[2] for c in costs):  # nothing to load: the plan takes each block's cheaper
-            return sum(min(c[0], c[1]) for c in costs)
-        cached, full, load = (tuple(col) for col in zip(*costs, strict=True))
-        return plan_step(BlockCosts(cached, full, load)).latency_ms
+        one size: pricing.step_costs."""
+        return step_costs(self.spec, pixels, [w.request_work() for w in works])
 
     def other_ms(self, rows_pixels: int) -> float:
         """The step outside its transformer blocks for `rows_pixels` = batch rows * pixels."""
@@ -183,18 +142,15 @@ class Estimator:
             return 0.0
         return fit_ms(self.spec.stages.get(stage), pixels)
 
-    def _compute_ms(self, d: BlockDims, mode: str, flops: float) -> float:
-        if not self.fitted:
-            return flops / NOMINAL_FLOPS_PER_MS
-        return fit_ms(self.spec.compute.get(f"{d.kind}:{d.channels}/{mode}"), flops)
 
-
-def fit_ms(fit: CostFit | None, x: float) -> float:
-    """A fitted latency at `x` (FLOPs, bytes or pixels), ms; 0 for no fit (a class or tier the
-    profile lacks: check_profile refuses such profiles)."""
-    if fit is None:
-        return 0.0
-    return max(0.0, fit.slope * x + fit.intercept)
+def blocks_ms(costs: BlockCosts, reads: bool) -> float:
+    """The transformer blocks of a step priced `costs`: the planner's plan; without a cache read,
+    every block computes all tokens; with nothing to load, each block takes its cheaper way."""
+    if not reads:
+        return sum(costs.compute_full)
+    if not any(costs.load):
+        return sum(min(c, f) for c, f in zip(costs.compute_cached, costs.compute_full, strict=True))
+    return plan_step(costs).latency_ms
 
 
 def token_ratios(mask: np.ndarray, strides: Sequence[int]) -> dict[int, float]:

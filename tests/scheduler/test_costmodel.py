@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from instgenie.engine.profiling import LinearFit, Profile, check_profile
 from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
+from instgenie.engine.profiling import check_profile
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
+from instgenie.scheduler.fits import LinearFit, Profile
 from tests.conftest import make_image, make_mask, png_bytes
 
-PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "sdxl-inpaint-tiny-cpu.json"
+PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "sdxl-inpaint-tiny-cpu.json"
 
 
 @functools.cache
