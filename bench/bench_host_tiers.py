@@ -164,10 +164,12 @@ def main() -> None:
     ex = fam.masked
     planner = None
     if args.profile:
-        from instgenie.cache.costmodel import StepCostModel
-        from instgenie.cache.profiler import Profile
+        from instgenie.engine.costspec import model_cost_spec
+        from instgenie.engine.step_pricing import StepPricer
+        from instgenie.scheduler.fits import Profile
 
-        planner = StepCostModel.for_family(Profile.load_file(args.profile), fam).compute_all
+        spec = model_cost_spec(fam, str(dram.store_dtype()), Profile.load_file(args.profile))
+        planner = StepPricer(spec, fam.device).compute_all
     masks = [encode_image(ratio_mask(size, size, args.ratio + 0.02 * i, fam.granule), "png")
              for i in range(args.batch)]  # fmt: skip
     # (name, pipeline, graph mode, step windows)

@@ -26,17 +26,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_masked_step import environment  # noqa: E402
-from instgenie.cache.costmodel import StepCostModel  # noqa: E402
-from instgenie.cache.profiler import Profile, profile_dram_load  # noqa: E402
 from instgenie.cache.quant import FP8  # noqa: E402
 from instgenie.cache.store import InMemoryStore  # noqa: E402
+from instgenie.engine.costspec import model_cost_spec  # noqa: E402
 from instgenie.engine.family import load_family  # noqa: E402
 from instgenie.engine.imageio import encode_image  # noqa: E402
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
+from instgenie.engine.profiling import profile_dram_load  # noqa: E402
 from instgenie.engine.quality import psnr, ssim  # noqa: E402
 from instgenie.engine.request import EditRequest  # noqa: E402
+from instgenie.engine.step_pricing import StepPricer  # noqa: E402
 from instgenie.engine.stepbench import ratio_mask, template_image  # noqa: E402
 from instgenie.engine.templates import TemplateSpec  # noqa: E402
+from instgenie.scheduler.fits import Profile  # noqa: E402
 
 
 def _sync(dev: torch.device) -> None:
@@ -109,7 +111,10 @@ def main() -> None:
     ideal = EditPipeline(fam, store=InMemoryStore(dev))
     host = EditPipeline(fam, store=InMemoryStore("cpu", pin_memory=True))
     host8 = EditPipeline(fam, store=InMemoryStore("cpu", dtype=FP8, pin_memory=True))
-    cost = StepCostModel.for_family(Profile.load_file(args.profile), fam) if args.profile else None
+    cost = None
+    if args.profile:
+        spec = model_cost_spec(fam, str(host.store_dtype()), Profile.load_file(args.profile))
+        cost = StepPricer(spec, fam.device)
     ex = fam.masked
     result = {"env": environment(dev), "model": args.model, "size": size, "steps": args.steps,
               "dtype": str(fam.dtype), "argv": sys.argv, "rows": [], "fp8": None}  # fmt: skip

@@ -18,10 +18,10 @@ import statistics
 import time
 from pathlib import Path
 
-from instgenie.cache.costspec import profile_fits
-from instgenie.cache.profiler import Profile
-from instgenie.messages import CostBlock, CostSpec
-from instgenie.server.routing import MaskAware, RouteRequest, WorkerView
+from instgenie.scheduler.fits import Profile
+from instgenie.scheduler.routing import MaskAware
+from instgenie.scheduler.spec import BlockSpec, CostSpec, profile_fits
+from instgenie.scheduler.views import RouteRequest, WorkerView
 
 PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "sdxl-inpaint-full-h200.json"
 
@@ -31,7 +31,7 @@ def sdxl_spec() -> CostSpec:
     blocks = []
     for i in range(70):
         c, s = (640, 16) if i < 10 else (1280, 32)
-        blocks.append(CostBlock(block_id=i, kind="unet", channels=c, ff_macs=12 * c * c,
+        blocks.append(BlockSpec(block_id=i, kind="unet", channels=c, ff_macs=12 * c * c,
                                 context_dim=2048, mlp=0, stride=s))  # fmt: skip
     return CostSpec(
         model=prof.model, granule=32, text_len=77, cfg=True, default_guidance=5.0,

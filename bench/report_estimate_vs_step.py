@@ -1,7 +1,7 @@
 """The router's predicted step latency against measured steps (SDXL 1024², H200). Not a test.
 
 Prices one denoising step of a batch of b identical requests (masked at the benchmark's token
-ratio, or full) with server.estimate.Estimator and the committed profile's fits (an SDXL-shaped
+ratio, or full) with scheduler.estimate.Estimator and the committed profile's fits (an SDXL-shaped
 CostSpec, bench/bench_routing_decision.py), and sets it beside the step benchmark's eager and
 CUDA-graph medians (bench/bench_masked_step.py output). Shows how far the eager per-block fits
 are from the graphed steps that serving replays.
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_routing_decision import sdxl_spec  # noqa: E402
-from instgenie.server.estimate import Estimator  # noqa: E402
+from instgenie.scheduler.estimate import Estimator  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -170,8 +170,8 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     quiet_libraries()
-    from instgenie.cache.profiler import r2_report
     from instgenie.engine.family import check_model_config
+    from instgenie.engine.profiling import r2_report
 
     model = dataclass_from_args(ModelConfig, args)
     check_model_config(model)
@@ -198,7 +198,7 @@ def _disk_dir(path: str) -> None:
 
 def _stages_base(path: str):
     """The profile `--stages-only` adds its stage fits to (it must exist and parse)."""
-    from instgenie.cache.profiler import Profile
+    from instgenie.scheduler.fits import Profile
 
     try:
         return Profile.load_file(path)
@@ -218,7 +218,7 @@ def _profile(args: argparse.Namespace, model: ModelConfig, pending: PendingOutpu
     import diffusers
     import torch
 
-    from instgenie.cache import profiler as P
+    from instgenie.engine import profiling as P
     from instgenie.engine.family import family_options
     from instgenie.engine.pipeline import EditPipeline
 
@@ -281,7 +281,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from instgenie.config import Config
     from instgenie.engine.family import check_model_config
     from instgenie.logs import setup_process
-    from instgenie.worker.policies import get_policy
+    from instgenie.scheduler.batching import get_policy
     from instgenie.worker.supervisor import Supervisor
 
     try:

@@ -91,7 +91,7 @@ OVERSIZE_POLICIES = ("refuse", "resize")
 class WorkerConfig:
     """One worker = one GPU: supervisor, denoise loop, pre/post-processing processes."""
 
-    #: batching policy: "continuous" | "static" | "naive-continuous" (worker/policies.py)
+    #: batching policy: "continuous" | "static" | "naive-continuous" (scheduler/batching.py)
     policy: str = "continuous"
     #: most requests in one denoising batch
     max_batch: int = 8

@@ -3,7 +3,9 @@
 Frame = msgpack [tag, version, fields]: tag = class name, version = SCHEMA_VERSION, fields = map of
 field name -> value; nested structs are maps of their fields (the annotation gives the type); bytes
 are msgpack bin, str msgpack str (UTF-8), tuples and lists arrays. Every dataclass below is
-registered at import (tag = class name); changing any of them bumps SCHEMA_VERSION.
+registered at import (tag = class name), and so are the structs of other modules that travel
+nested (scheduler.spec's CostSpec, BlockSpec, fits.LinearFit); changing any of them bumps
+SCHEMA_VERSION.
 Invariant: decode raises MessageError, and nothing else, for any input that is not a valid message
 (unknown tag, other version, unknown or missing fields, wrong types, oversized, not msgpack); a
 field with a default may be absent. Types are checked at encode and decode (not at construction)
@@ -24,8 +26,10 @@ from typing import Any
 import msgpack
 
 from instgenie.errors import InstGenIEError
+from instgenie.scheduler.fits import LinearFit
+from instgenie.scheduler.spec import BlockSpec, CostSpec
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6  # 6: CostSpec of scheduler.spec (LinearFit with r2, n; BlockSpec)
 MAX_MESSAGE_BYTES = 64 << 20  # default cap on one encoded message, bytes (tensors go via shm)
 MAX_DEPTH = 32  # nesting limit of `Any` values
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry
@@ -56,22 +60,29 @@ class Nested:  # root of structs that only travel inside a message field
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}  # tag -> class, top-level messages
-NESTED_TYPES: dict[str, type[Nested]] = {}  # name -> class, structs used inside fields
+NESTED_TYPES: dict[str, type] = {}  # name -> class, structs used inside fields
 _SCHEMAS: dict[type, list[tuple[str, Any, bool]]] = {}  # class -> [(field, spec, required)]
 
 
-def _register(cls: type) -> None:
-    """Compile the field specs of a message dataclass and add it to its registry."""
+def _register(cls: type, nested: bool = False) -> None:
+    """Compile the field specs of a message dataclass and add it to its registry. `nested`: a
+    struct defined elsewhere (not a subclass of these roots) that travels inside fields only;
+    it must be a frozen, slotted dataclass too."""
     bases = (ClientToWorker, WorkerToClient, Internal, Nested)  # exactly one, for the direction
-    frozen = cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
-    if sum(issubclass(cls, b) for b in bases) != 1 or cls.__dictoffset__ or not frozen:
-        raise TypeError(f"{cls.__name__}: @dataclass(slots=True, frozen=True) of one of {bases}")
+    params = getattr(cls, "__dataclass_params__", None)
+    frozen = dataclasses.is_dataclass(cls) and params is not None and params.frozen
+    roots = sum(issubclass(cls, b) for b in bases)
+    if (roots != (0 if nested else 1)) or cls.__dictoffset__ or not frozen:
+        want = "no message root" if nested else f"one of {bases}"
+        raise TypeError(f"{cls.__name__}: @dataclass(slots=True, frozen=True) of {want}")
     hints = typing.get_type_hints(cls)
     _SCHEMAS[cls] = [
         (f.name, _spec(hints[f.name]), f.default is f.default_factory is dataclasses.MISSING)
         for f in dataclasses.fields(cls)
     ]
     registry: dict[str, Any] = MESSAGE_TYPES if issubclass(cls, Message) else NESTED_TYPES
+    if cls.__name__ in registry and registry[cls.__name__] is not cls:
+        raise TypeError(f"{cls.__name__}: another type is registered under this name")
     registry[cls.__name__] = cls
 
 
@@ -232,47 +243,6 @@ class StepEntry(Nested):  # one iteration of the denoise loop (loop)
     graph: str
     #: cache-reading members by the tier that serves them: "gpu" | "cpu" | "dram" | "disk"
     tiers: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(slots=True, frozen=True, kw_only=True)
-class CostFit(Nested):  # latency_ms = max(0, slope * x + intercept) (cache.profiler.LinearFit)
-    slope: float  # ms per FLOP (compute) or per byte (load)
-    intercept: float  # ms
-
-
-@dataclass(slots=True, frozen=True, kw_only=True)
-class CostBlock(Nested):  # one hooked transformer block, as the router prices it (loop)
-    block_id: int  # execution order, 0-based
-    kind: str  # "unet" | "flux_dual" | "flux_single" (cache.costs.BlockDims)
-    channels: int  # hidden width C
-    ff_macs: int  # feed-forward multiply-adds per token
-    context_dim: int  # cross-attention context width, 0 if none
-    mlp: int  # Flux single block MLP width, 0 otherwise
-    stride: int  # pixels per token side: the block's token grid is (H / stride, W / stride)
-
-
-@dataclass(slots=True, frozen=True, kw_only=True)
-class CostSpec(Nested):  # what the router needs to price a worker's batch (loop, at ready)
-    model: str  # model id
-    granule: int  # working sizes are multiples of this, pixels
-    text_len: int  # prompt tokens per row
-    cfg: bool  # a request with guidance > 1 runs two rows (classifier-free guidance)
-    default_guidance: float  # guidance of a request that gives none
-    default_steps: int  # steps of a request that gives none
-    cache_dtype: str  # dtype of cached rows, e.g. "float16"
-    blocks: list[CostBlock]  # in execution order
-    #: fitted latency models (instgenie profile): "<block class>/<mode>" -> fit of ms against
-    #: FLOPs, mode "cached" | "full"; empty: no profile, the router prices in FLOPs
-    compute: dict[str, CostFit] = field(default_factory=dict)
-    load: dict[str, CostFit] = field(default_factory=dict)  # tier -> fit of ms against bytes
-    #: the step outside its transformer blocks: fit of ms against batch rows * pixels; None:
-    #: not in the profile (or no profile)
-    other: CostFit | None = None
-    #: the loop's model work per request outside its steps, each a fit of ms against the
-    #: request's working pixels: "encode" (on receipt), "decode" (when it leaves the batch);
-    #: empty: not in the profile, or that work does not run in the loop (model_stages="process")
-    stages: dict[str, CostFit] = field(default_factory=dict)
-    profile: str = ""  # the profile file's path, "" if none
 
 
 # ---- client -> worker (client fills every field; types are checked here, values by pre) -------
@@ -490,5 +460,8 @@ class Pong(Internal):  # answer to Ping (any -> sup)
     pid: int  # responder pid
 
 
-for _cls in [c for c in list(globals().values()) if dataclasses.is_dataclass(c)]:  # nested first
+for _cls in (LinearFit, BlockSpec, CostSpec):  # nested structs of other modules, users last
+    _register(_cls, nested=True)
+for _cls in [c for c in list(globals().values()) if dataclasses.is_dataclass(c)
+             and c.__module__ == __name__]:  # fmt: skip  # nested first
     _register(_cls)  # type: ignore[arg-type]

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from instgenie.cache.costspec import cost_spec
 from instgenie.config import LimitsConfig
+from instgenie.engine.costspec import cost_spec
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.sizing import native_side, resolve_limits, working_size
@@ -95,8 +95,8 @@ def test_cost_is_priced_in_native_edits_and_refused_over_budget() -> None:
 
 
 def test_seconds_budget_applies_with_a_profile() -> None:
-    from instgenie.cache.profiler import Profile
     from instgenie.engine.family import load_family
+    from instgenie.scheduler.fits import Profile
 
     profile = Profile.load_file(
         str(Path(__file__).parents[1] / "profiles/sdxl-inpaint-tiny-cpu.json")
@@ -223,9 +223,9 @@ def test_a_stage_overruns_past_a_multiple_of_its_profiled_time() -> None:
     from dataclasses import replace
 
     from instgenie.config import Config
-    from instgenie.messages import CostFit
+    from instgenie.scheduler.fits import LinearFit
+    from instgenie.scheduler.routing import RouteRequest
     from instgenie.server.pool import STAGE_OVERRUN_FACTOR, STAGE_OVERRUN_FLOOR_S, WorkerSlot
-    from instgenie.server.routing import RouteRequest
 
     spec = cost_spec(EditPipeline.load("sd2-inpaint:tiny"))
     slot = WorkerSlot(0, Config(), 4, state="up")
@@ -235,7 +235,7 @@ def test_a_stage_overruns_past_a_multiple_of_its_profiled_time() -> None:
     assert slot.overrun(30.0) == ""
     assert "over 8 s" in slot.overrun(8.0)
     # a profile prices the encode of a 1 MP request at 2 s: 4x that is the limit
-    fit = CostFit(slope=2e3 / 1e6, intercept=0.0)  # ms per pixel
+    fit = LinearFit(slope=2e3 / 1e6, intercept=0.0)  # ms per pixel
     slot.cost = replace(spec, compute={"x": fit}, stages={"encode": fit})
     slot.routes = {"a": RouteRequest(None, 20, 256 * 256), "b": RouteRequest(None, 20, 10**6)}
     assert slot.stage_limit_s("encode", 30.0) == (STAGE_OVERRUN_FACTOR * 2.0, 2.0)

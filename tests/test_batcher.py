@@ -10,8 +10,8 @@ import torch
 
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
+from instgenie.scheduler.batching import get_policy
 from instgenie.worker.batcher import Batcher
-from instgenie.worker.policies import get_policy
 from tests.conftest import make_image, make_mask, png_bytes, tiny_pipeline
 
 

@@ -150,7 +150,8 @@ def test_profile_refuses_bad_sizes_and_paths_before_profiling(tmp_path, capsys) 
 def test_profile_writes_every_fit_the_planner_and_router_read(tmp_path, capsys) -> None:
     """A whole (small) `instgenie profile` run: compute fits per block class and mode, the DRAM
     load fit, the rest of the step, the loop's stages, and the command that made them."""
-    from instgenie.cache.profiler import MODES, STAGES, Profile, check_profile
+    from instgenie.engine.profiling import check_profile
+    from instgenie.scheduler.fits import MODES, STAGES, Profile
 
     out, disk = tmp_path / "p.json", tmp_path / "scratch" / "disk"  # --disk-dir: made if missing
     code = main(["profile", "--model", "sdxl-inpaint:tiny", "--size", "128", "--batches", "1",
@@ -178,7 +179,7 @@ def test_profile_stages_only_replaces_the_stage_fits_of_a_profile(tmp_path, caps
     """`--stages-only` times the loop's encode/decode at the profile's own size and replaces
     only those fits; it refuses a missing profile and one fitted for another model, leaving the
     file as it was."""
-    from instgenie.cache.profiler import Profile
+    from instgenie.scheduler.fits import Profile
 
     committed = Path(__file__).resolve().parents[1] / "profiles"
     base = Profile.load_file(committed / "sdxl-inpaint-tiny-cpu.json")

@@ -28,8 +28,8 @@ from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
+from instgenie.scheduler.batching import get_policy
 from instgenie.worker.batcher import Batcher
-from instgenie.worker.policies import get_policy
 from tests.conftest import make_image, make_mask, png_bytes
 from tests.test_cache_tiered import template
 

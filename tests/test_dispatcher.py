@@ -14,11 +14,11 @@ import pytest
 
 from instgenie.config import Config, LimitsConfig
 from instgenie.messages import EditDone
+from instgenie.scheduler.routing import LeastLoaded, RouteRequest
 from instgenie.server.config import ServerConfig
 from instgenie.server.dispatcher import Dispatcher
 from instgenie.server.errors import ApiError
 from instgenie.server.pool import WorkerSlot
-from instgenie.server.routing import LeastLoaded, RouteRequest
 from instgenie.worker.client import WorkerError
 
 ROUTE = RouteRequest(template_id=None, num_steps=2, pixels=64 * 64)

@@ -27,10 +27,10 @@ STEP = m.StepEntry(
 COST = m.CostSpec(
     model="sdxl-inpaint:tiny", granule=32, text_len=77, cfg=True, default_guidance=7.5,
     default_steps=20, cache_dtype="float32",
-    blocks=[m.CostBlock(block_id=0, kind="unet", channels=32, ff_macs=10240, context_dim=32,
+    blocks=[m.BlockSpec(block_id=0, kind="unet", channels=32, ff_macs=10240, context_dim=32,
                         mlp=0, stride=16)],
-    compute={"unet:32/cached": m.CostFit(slope=2e-12, intercept=0.5)},
-    load={"dram": m.CostFit(slope=1e-8, intercept=0.01)}, profile="profiles/x.json",
+    compute={"unet:32/cached": m.LinearFit(slope=2e-12, intercept=0.5)},
+    load={"dram": m.LinearFit(slope=1e-8, intercept=0.01)}, profile="profiles/x.json",
 )
 EXAMPLES: list[m.Message] = [
     m.SubmitEdit(
@@ -86,8 +86,9 @@ EXAMPLES: list[m.Message] = [
 
 
 def _nested_names(obj: Any) -> set[str]:
-    if isinstance(obj, (m.Message, m.Nested)):
-        own = {type(obj).__name__} if isinstance(obj, m.Nested) else set()
+    nested = isinstance(obj, m.Nested) or type(obj) in m.NESTED_TYPES.values()
+    if isinstance(obj, m.Message) or nested:
+        own = {type(obj).__name__} if nested else set()
         return own.union(*(_nested_names(getattr(obj, f.name)) for f in dataclasses.fields(obj)))
     if isinstance(obj, (list, tuple)):
         return set().union(*map(_nested_names, obj))
@@ -115,7 +116,9 @@ def test_house_style(cls: type) -> None:
     assert dataclasses.is_dataclass(cls) and cls.__dictoffset__ == 0  # slotted
     assert cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
     directions = (m.ClientToWorker, m.WorkerToClient, m.Internal, m.Nested)
-    assert sum(issubclass(cls, b) for b in directions) == 1
+    # one direction; or a struct of another module registered to travel nested (scheduler.spec)
+    want = 0 if cls.__module__ != m.__name__ and m.NESTED_TYPES.get(cls.__name__) is cls else 1
+    assert sum(issubclass(cls, b) for b in directions) == want
     example = next((e for e in EXAMPLES if type(e) is cls), None)
     if example is not None and dataclasses.fields(example):
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -372,6 +375,49 @@ def test_unsupported_annotations_fail_at_registration() -> None:
         with pytest.raises(TypeError):
             m._register(cls)
         assert cls.__name__ not in m.MESSAGE_TYPES
+
+
+def test_nested_structs_of_other_modules_register_only_as_frozen_slotted_dataclasses() -> None:
+    """scheduler.spec's CostSpec travels nested without subclassing a message root; the same
+    checks hold for such structs, and a message root is refused on that path."""
+    from instgenie.scheduler.spec import BlockSpec, CostSpec
+
+    assert m.NESTED_TYPES["CostSpec"] is CostSpec and m.NESTED_TYPES["BlockSpec"] is BlockSpec
+
+    @dataclasses.dataclass(frozen=True)
+    class NotSlotted:
+        x: int
+
+    @dataclasses.dataclass(slots=True)
+    class NotFrozen:
+        x: int
+
+    class NotADataclass:
+        __slots__ = ()
+
+    @dataclasses.dataclass(slots=True, frozen=True)
+    class Rooted(m.Nested):
+        x: int
+
+    for cls in (NotSlotted, NotFrozen, NotADataclass, Rooted):
+        with pytest.raises(TypeError):
+            m._register(cls, nested=True)
+        assert cls.__name__ not in m.NESTED_TYPES
+
+
+def test_a_nested_struct_of_another_module_is_checked_at_decode() -> None:
+    """A CostSpec whose BlockSpec is malformed on the wire is a MessageError, like any field."""
+    fields = msgpack.unpackb(encode(m.Stats(counters={}, cost=COST)))[2]
+    fields["cost"]["blocks"][0]["stride"] = "16"
+    bad = msgpack.packb(["Stats", m.SCHEMA_VERSION, fields], use_bin_type=True)
+    with pytest.raises(MessageError, match="Stats.cost"):
+        decode(bad)
+    del fields["cost"]["blocks"][0]["stride"]
+    with pytest.raises(MessageError, match="Stats.cost"):
+        decode(msgpack.packb(["Stats", m.SCHEMA_VERSION, fields], use_bin_type=True))
+    fields["cost"]["blocks"][0]["stride"] = 16  # the same frame, well-formed, decodes
+    ok = decode(msgpack.packb(["Stats", m.SCHEMA_VERSION, fields], use_bin_type=True))
+    assert ok == m.Stats(counters={}, cost=COST)
 
 
 def test_speed() -> None:

@@ -30,7 +30,7 @@ from PIL import Image
 
 from instgenie.config import LimitsConfig
 from instgenie.errors import ValidationError
-from instgenie.server.routing import LeastLoaded, RoundRobin, RouteRequest, WorkerView
+from instgenie.scheduler.routing import LeastLoaded, RoundRobin, RouteRequest, WorkerView
 from instgenie.server.uploads import _PartCounter, probe_image
 from tests.conftest import make_image, make_mask, png_bytes
 

@@ -146,7 +146,7 @@ def test_stages_run_in_other_processes(cont) -> None:
 
 def test_the_loop_reports_its_cost_spec(cont) -> None:
     """What the server's mask-aware router prices this worker with: its own model's blocks."""
-    from instgenie.cache.costspec import cost_spec
+    from instgenie.engine.costspec import cost_spec
 
     handle, _ = cont
     spec = handle.client.cost_spec()
@@ -163,7 +163,9 @@ def test_stage_fits_reach_the_router_only_where_the_loop_runs_the_stages(
     the loop process runs those stages (between its steps), not when the pre/post processes do."""
     import json
 
-    from instgenie.cache.profiler import MODES, LinearFit, Profile, block_class, family_block_dims
+    from instgenie.engine.profiling import family_block_dims
+    from instgenie.scheduler.fits import MODES, LinearFit, Profile
+    from instgenie.scheduler.spec import block_class
 
     dims = family_block_dims(tiny_pipeline(MODEL).family)
     flat = LinearFit(1e-9, 0.1, 1.0, 2)

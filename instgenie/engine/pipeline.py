@@ -18,11 +18,10 @@ from typing import Any
 import torch
 from PIL import Image
 
-from instgenie.cache.costmodel import StepCostModel
 from instgenie.cache.disk import CacheMiss
-from instgenie.cache.profiler import Profile
 from instgenie.cache.store import ActivationStore, InMemoryStore, TemplateMeta, tier_of
 from instgenie.config import LimitsConfig
+from instgenie.engine.costspec import cost_spec
 from instgenie.engine.family import ModelFamily, load_family
 from instgenie.engine.imageio import (
     OUTPUT_FORMATS,
@@ -35,8 +34,10 @@ from instgenie.engine.imageio import (
 from instgenie.engine.masked.tokens import pixel_mask_tensor
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.sizing import pixel_hint, resolve_limits, working_size
+from instgenie.engine.step_pricing import StepPricer
 from instgenie.engine.templates import TemplateRecord, TemplateSpec, template_key
 from instgenie.errors import TooManyPixelsError, ValidationError
+from instgenie.scheduler.fits import Profile
 from instgenie.scheduler.step import GraphUse, StepPlan, members_of
 
 MAX_SEED = 2**63 - 1
@@ -88,11 +89,14 @@ class EditPipeline:
         self.limits = resolve_limits(limits or LimitsConfig(), family.default_size)
         self.store = store if store is not None else InMemoryStore(family.device)
         self.templates: dict[str, TemplateRecord] = {}
+        #: the fitted latency profile (engine.costspec.cost_spec prices with it), or None
+        self.profile = profile
         #: with a fitted profile, the load planner picks the blocks that compute all tokens in
-        #: each step's plan (compute_all)
-        self.cost_model = None
+        #: each step's plan, priced with this worker's own CostSpec (the one its loop sends to
+        #: the router)
+        self.cost_model: StepPricer | None = None
         if profile is not None:
-            self.cost_model = StepCostModel.for_family(profile, family)
+            self.cost_model = StepPricer(cost_spec(self), family.device)
 
     @classmethod
     def load(

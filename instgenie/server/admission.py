@@ -1,7 +1,7 @@
 """Admission by cost: every edit and template capture is priced before it takes a place, and one
 that would hold a worker longer than the deployment allows is refused (422 too_costly).
 
-The price comes from a worker's CostSpec through server.estimate (the router's own pricing): with
+The price comes from a worker's CostSpec through scheduler.estimate (the router's pricing): with
 a fitted profile, milliseconds of the loop's work for the request alone - its steps at its
 working size and step count, plus the VAE/prompt encode and decode the loop runs for it - and
 without one, the steps in nominal FLOPs (every transformer block, attention's quadratic term
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from instgenie.messages import CostSpec
+from instgenie.scheduler.estimate import Estimator
+from instgenie.scheduler.spec import CostSpec
 from instgenie.server.errors import ApiError
-from instgenie.server.estimate import Estimator
 
 #: max_request_cost = 0: this many native edits. An edit at the default pixel cap (4x the native
 #: area) with the default steps costs 7-13 of them on the tiny models (attention grows with the

@@ -33,7 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             parts[name] = dataclass_from_args(cls, args, **extra)
         except ValueError as exc:  # the message names the setting
             raise ValidationError(name, str(exc)) from None
-    from instgenie.worker.policies import get_policy  # (light: no torch)
+    from instgenie.scheduler.batching import get_policy  # (light: no torch)
 
     try:
         get_policy(parts["worker"].policy)

@@ -30,7 +30,7 @@ class ServerConfig:
     max_queue: int = 64
     #: requests in flight on one worker at a time; 0 = twice the worker's max_batch
     worker_slots: int = 0
-    #: routing policy across workers (server/routing.py): "least-loaded" | "mask-aware"
+    #: routing policy across workers (scheduler/routing.py): "least-loaded" | "mask-aware"
     #: (predicted latency from each worker's latency models and the request's mask; measured no
     #: better on an H200 pair, docs/benchmarks/routing-h200.md) | "round-robin"
     routing: str = "least-loaded"

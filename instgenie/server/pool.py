@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from instgenie.config import Config
-from instgenie.messages import CostSpec
-from instgenie.server.estimate import fit_ms
-from instgenie.server.routing import RouteRequest, WorkerView
+from instgenie.scheduler.fits import fit_ms
+from instgenie.scheduler.spec import CostSpec
+from instgenie.scheduler.views import RouteRequest, WorkerView
 from instgenie.worker.client import WorkerClient, WorkerHandle
 
 log = logging.getLogger("instgenie.server")

@@ -24,16 +24,17 @@ from instgenie.engine.imageio import decode_mask, mask_ratio
 from instgenie.engine.sizing import native_side, resolve_limits, working_size
 from instgenie.errors import ValidationError
 from instgenie.messages import Progress
+from instgenie.scheduler.estimate import token_ratios
+from instgenie.scheduler.routing import make_policy
+from instgenie.scheduler.views import RouteRequest
 from instgenie.server.admission import CostAdmission
 from instgenie.server.config import ServerConfig
 from instgenie.server.dispatcher import Dispatcher, Outcome, Ticket
 from instgenie.server.errors import ApiError, cancel_code
-from instgenie.server.estimate import token_ratios
 from instgenie.server.health import HealthMonitor
 from instgenie.server.jobs import INTERRUPTED, JobTable
 from instgenie.server.metrics import Metrics, fastest_tier, live_families
 from instgenie.server.pool import WorkerPool, WorkerSlot
-from instgenie.server.routing import RouteRequest, make_policy
 from instgenie.server.state_db import StateDB
 from instgenie.server.templates import TemplateRegistry, template_id_of
 from instgenie.server.uploads import ImageInfo, probe_image

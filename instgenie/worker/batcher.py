@@ -22,8 +22,8 @@ from instgenie.engine.masked.executor import CacheReadFailed
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import RequestState
 from instgenie.messages import StepEntry
+from instgenie.scheduler.batching import Policy
 from instgenie.scheduler.step import StepPlan, horizon_of, members_of
-from instgenie.worker.policies import Policy
 
 
 @dataclass

@@ -165,9 +165,10 @@ class ChildRuntime:
         """The role's EditPipeline: only `parts` of the model are materialised; `store`: use the
         worker's activation store (else an empty in-memory one); `device_tier`: with a device
         tier above it (the loop's)."""
-        from instgenie.cache.profiler import Profile, check_profile
         from instgenie.engine.family import family_options, load_family
         from instgenie.engine.pipeline import EditPipeline
+        from instgenie.engine.profiling import check_profile
+        from instgenie.scheduler.fits import Profile
 
         m = self.config.model
         family = load_family(m.model, device=device, dtype=m.dtype, parts=parts,

@@ -25,9 +25,9 @@ import torch
 from PIL import Image
 
 from instgenie import faults
-from instgenie.cache.costspec import cost_spec
 from instgenie.cache.index import EntryInUse
 from instgenie.cache.store import tier_of
+from instgenie.engine.costspec import cost_spec
 from instgenie.engine.imageio import forbid_codec_in_this_process
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import RequestState
@@ -48,12 +48,12 @@ from instgenie.messages import (
     SubmitEdit,
     TemplateReady,
 )
+from instgenie.scheduler.batching import get_policy
 from instgenie.tensorshm import pack, release, unpack
 from instgenie.worker.batcher import Batcher, Retired
 from instgenie.worker.child import ChildRuntime, release_bundles, resolve_device_budget
 from instgenie.worker.codec import from_parts, inputs_from_parts, to_parts
 from instgenie.worker.names import CAPTURE_PREFIX
-from instgenie.worker.policies import get_policy
 from instgenie.worker.stages import Stages, capture_uid, failure
 
 #: how often, ms, a loop checks on captures another process of the host is running

@@ -67,10 +67,10 @@ from instgenie.messages import (
     TemplateReady,
     WorkerReady,
 )
+from instgenie.scheduler.batching import get_policy
 from instgenie.tensorshm import cleanup, release
 from instgenie.worker.children import Child, ChildProcesses, Flight, Template
 from instgenie.worker.names import CAPTURE_PREFIX, capture_uid, shm_base
-from instgenie.worker.policies import get_policy
 from instgenie.worker.stats import worker_stats
 
 log = logging.getLogger("instgenie.worker")

@@ -32,8 +32,8 @@ Optimisers
 `greedy_plan` is the paper's Algorithm 1 with per-block constants: block by block, use the cache
 iff that does not finish the block later than computing all (ties -> cache). With costs that
 differ by block it is not optimal: a load that wins a little now delays the copy stream for a
-later block that would have gained more (tests/test_planner.py builds such a case), and on
-copy-bound SDXL steps it is often 10-30 % slower than the optimum.
+later block that would have gained more (tests/scheduler/test_planner.py builds such a case),
+and on copy-bound SDXL steps it is often 10-30 % slower than the optimum.
 
 `optimal_plan` is a DP over blocks whose state is the pair of clocks (comp_end, load_end). Both
 transitions are monotone non-decreasing in both clocks (in floating point too), so a state that
@@ -75,10 +75,9 @@ uses K = `PLAN_STEP_FRONT_CAP`: ~0.2 ms median on a realistic mix of steps, up t
 copy-bound SDXL steps with jittered costs; optimal on every class-structured instance tried; on
 jittered ones 0.02-0.14 % worse than the optimum on average, 1.1 % at worst.
 
-Where the costs come from is not this module's concern. For a batch, ``compute_cached[i]`` is
-the batch's masked compute estimate (from its total masked work), ``load[i]`` the total bytes of
-the batch's cached rows over the host -> GPU bandwidth, ``compute_full[i]`` the batch's compute
-without cache; e.g. each from a fitted `profiler.LinearFit`.
+Where the costs come from is not this module's concern: `pricing.step_costs` gives them for a
+batch (``compute_cached[i]`` the batch's masked compute, ``load[i]`` the copies of its cached rows
+host -> GPU, ``compute_full[i]`` its compute without cache; each from a fitted `fits.LinearFit`).
 """
 
 from __future__ import annotations
@@ -163,6 +162,25 @@ class BlockCosts:
         object.__setattr__(self, "compute_full", full)
         object.__setattr__(self, "load", load)
         object.__setattr__(self, "load_start", start)
+
+    @classmethod
+    def from_kinds(
+        cls, kinds: Sequence[tuple[float, float, float]], seq: Sequence[int]
+    ) -> BlockCosts:
+        """Costs of blocks that share a few kinds: block i costs kinds[seq[i]] = (compute_cached,
+        compute_full, load), load_start 0. The same invariants, checked once per kind (not per
+        block: the router prices many batches per decision)."""
+        checked = [_cost_tuple(f"kinds[{k}]", c) for k, c in enumerate(kinds)]
+        if any(len(c) != 3 for c in checked):
+            raise ValueError("BlockCosts.from_kinds: each kind has 3 costs (cached, full, load)")
+        out = object.__new__(cls)
+        for j, name in enumerate(("compute_cached", "compute_full", "load")):
+            col = tuple(checked[k][j] for k in seq)
+            if not math.isfinite(sum(col)):
+                raise ValueError(f"BlockCosts.{name}: the sum overflows (values too large)")
+            object.__setattr__(out, name, col)
+        object.__setattr__(out, "load_start", 0.0)
+        return out
 
     @property
     def num_blocks(self) -> int:

@@ -1,4 +1,4 @@
-"""Load planner (instgenie.cache.planner): the pipeline model, the exact optimiser against brute
+"""Load planner (instgenie.scheduler.planner): the pipeline model, the exact optimiser against brute
 force, the paper's greedy Algorithm 1, the two regimes of §4.2, speed, and input validation.
 
 Realistic costs (`sdxl_costs`, `flux_costs`) are derived from the H200 masked-step benchmarks in
@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from instgenie.cache.planner import (
+from instgenie.scheduler.planner import (
     PLAN_STEP_FRONT_CAP,
     BlockCosts,
     Plan,

@@ -4,57 +4,22 @@ A policy is a pure function of the request's routing facts and a snapshot of eve
 (no I/O, no clocks), so it is unit-testable. The dispatcher calls `choose` only with workers that
 are up and accepting; a policy returns None to say "none of these has room": the request then
 waits in the server queue. Policies: `least-loaded` (the default: slot occupancy), `mask-aware`
-(paper §4.4, Algorithm 2, priced by server.estimate; decision 0019) and `round-robin`.
+(paper §4.4, Algorithm 2, priced by estimate.py; decision 0019) and `round-robin`. What they
+read: views.RouteRequest (the request) and views.WorkerView (each worker).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Protocol
 
-from instgenie.messages import CostSpec
-from instgenie.server.estimate import Estimator, Work
+from instgenie.scheduler.estimate import Estimator, Work
+from instgenie.scheduler.spec import CostSpec
+from instgenie.scheduler.views import RouteRequest, WorkerView
 
-
-@dataclass(frozen=True)
-class RouteRequest:
-    """What a policy may know about a request before it runs."""
-
-    template_id: str | None  # registered template it edits (cache affinity), or None
-    num_steps: int | None  # denoise steps asked for; None: the model's default
-    pixels: int  # width * height of the image, pixels
-    mask_ratio: float | None = None  # fraction of pixels to edit; None: not measured
-    guidance: float | None = None  # guidance scale asked for; None: the model's default
-    #: (token stride in pixels, fraction of that token grid the mask covers), one per transformer
-    #: resolution of the model (estimate.token_ratios); empty: not measured
-    token_ratios: tuple[tuple[int, float], ...] = ()
-    steps_done: int = 0  # denoising steps it has done (a held request's progress), count
-    strength: float | None = None  # img2img strength asked for (< 1 runs fewer steps)
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    """One worker as the dispatcher sees it at routing time."""
-
-    index: int  # position in the pool, 0-based
-    device: str  # torch device, e.g. "cuda:1"
-    in_flight: int  # requests sent to it and not answered yet, count
-    slots: int  # most requests it may hold at once (ServerConfig.worker_slots), count
-    batch_size: int = 0  # requests in its last denoise step (stats, may lag), count
-    queue_depth: int = 0  # requests it holds that are not in the denoise loop (stats), count
-    templates_ready: frozenset[str] = field(default_factory=frozenset)  # cache resident there
-    #: template id -> the fastest tier holding its cache there ("gpu", "dram", ...)
-    template_tiers: Mapping[str, str] = field(default_factory=dict)
-    #: the requests it holds (reserved or sent, not answered), oldest first, with their progress
-    requests: tuple[RouteRequest, ...] = ()
-    max_batch: int = 0  # most requests in one denoise step (WorkerConfig.max_batch); 0: unknown
-    cost: CostSpec | None = None  # how to price its batches (its loop's CostSpec); None: unknown
-
-    @property
-    def has_room(self) -> bool:
-        return self.in_flight < self.slots
+__all__ = ["LeastLoaded", "MaskAware", "RoundRobin", "RouteRequest", "RoutingPolicy",
+           "WorkerView", "make_policy"]  # fmt: skip
 
 
 def _cold(request: RouteRequest, w: WorkerView) -> int:

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from instgenie.cache.profiler import LinearFit, Profile, check_profile
 from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
+from instgenie.engine.profiling import check_profile
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
+from instgenie.scheduler.fits import LinearFit, Profile
 from tests.conftest import make_image, make_mask, png_bytes
 
-PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "sdxl-inpaint-tiny-cpu.json"
+PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "sdxl-inpaint-tiny-cpu.json"
 
 
 @functools.cache
@@ -118,7 +119,7 @@ def test_profiling_fits_the_rest_of_the_step(tmp_path) -> None:  # noqa: ANN001
     """The profiler also times each whole step: what it takes beyond its blocks is fitted
     against batch rows * pixels (the router prices it), and survives the JSON round trip; a
     profile written before it existed loads without it."""
-    from instgenie.cache.profiler import fit_profile, profile_compute
+    from instgenie.engine.profiling import fit_profile, profile_compute
 
     pipe = EditPipeline(load_family("sdxl-inpaint:tiny"))
     size = 2 * pipe.family.granule
@@ -144,7 +145,7 @@ def test_profiling_times_the_loops_encode_and_decode(monkeypatch) -> None:  # no
     the JSON round trip, and a profile written before them loads with none."""
     import time as _time
 
-    from instgenie.cache.profiler import STAGES, fit_stages, profile_stages, stage_sizes
+    from instgenie.engine.profiling import STAGES, fit_stages, profile_stages, stage_sizes
 
     pipe = EditPipeline(load_family("sdxl-inpaint:tiny"))
     g = pipe.family.granule

@@ -16,9 +16,20 @@ its timeout.)
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
-from instgenie.engine.request import RequestState
+
+class Batchable(Protocol):
+    """What admission reads of a request (engine.request.RequestState has it): requests of one
+    key may share a denoise step."""
+
+    @property
+    def batch_key(self) -> Hashable: ...
+
+
+R = TypeVar("R", bound=Batchable)
 
 
 @dataclass(frozen=True)
@@ -29,15 +40,13 @@ class Policy:
     #: pre/post-processing run inside the loop process between steps
     inline_stages: bool = False
 
-    def admit(
-        self, running: list[RequestState], waiting: deque[RequestState], max_batch: int
-    ) -> list[RequestState]:
+    def admit(self, running: list[R], waiting: deque[R], max_batch: int) -> list[R]:
         """Pop and return the waiting requests that join before the next step: the head of the
         queue while it has the running batch's key (FIFO)."""
         if self.static and running:
             return []
         key = running[0].batch_key if running else (waiting[0].batch_key if waiting else None)
-        joined: list[RequestState] = []
+        joined: list[R] = []
         while waiting and len(running) + len(joined) < max_batch:
             if waiting[0].batch_key != key:
                 break  # FIFO across keys: it runs once this batch drains

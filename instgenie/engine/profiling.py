@@ -1,10 +1,12 @@
-"""Offline latency profiling: per-block compute latency with and without the cache, and load
-latency per tier; linear fits (scikit-learn) that the load planner and the router read.
+"""Offline latency profiling (`instgenie profile`): runs the model under timers and fits the
+latency models of a profile (scheduler.fits: LinearFit, Profile, the schema the load planner
+and the router read): per-block compute latency with and without the cache, and load latency
+per tier.
 
 Compute: every hooked block is timed (CUDA events on the compute stream) over a grid of mask
 ratios and batch sizes, once computing only masked tokens from a GPU-resident cache ("cached")
 and once computing all tokens ("full"). Each block class (kind and width) gets one model per mode:
-latency_ms = slope * FLOPs + intercept, FLOPs from instgenie.cache.costs (paper Table 1 with
+latency_ms = slope * FLOPs + intercept, FLOPs from instgenie.scheduler.pricing (paper Table 1 with
 keys/values over all tokens). The rest of the step (everything outside the transformer blocks:
 ResNets, norms, the scheduler; what the whole step takes beyond its blocks) gets one model,
 latency_ms = slope * (batch rows * pixels) + intercept ("other"; the router adds it to a batch's
@@ -19,137 +21,34 @@ samples.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-from sklearn.linear_model import LinearRegression
 
-from instgenie.cache.costs import BlockDims, batch_flops, block_dims
+from instgenie.engine.costspec import family_blocks
+from instgenie.scheduler.fits import MODES, STAGES, LinearFit, Profile, fit_stages
+from instgenie.scheduler.fits import check_profile as check_blocks
+from instgenie.scheduler.pricing import batch_flops
+from instgenie.scheduler.spec import BlockSpec, block_class
 
-MODES = ("cached", "full")
-#: the loop's per-request model work outside its steps, fitted against pixels
-STAGES = ("encode", "decode")
-
-
-@dataclass(frozen=True)
-class LinearFit:
-    slope: float
-    intercept: float
-    r2: float
-    n: int
-
-    def predict(self, x: float) -> float:
-        return max(0.0, self.slope * x + self.intercept)
-
-    @classmethod
-    def fit(cls, x: list[float], y: list[float]) -> LinearFit:
-        X, Y = np.asarray(x, dtype=np.float64)[:, None], np.asarray(y, dtype=np.float64)
-        if len(set(x)) < 2:  # one distinct x: a constant model (R² undefined -> 1 if exact)
-            return cls(0.0, float(Y.mean()), 1.0 if np.ptp(Y) == 0 else 0.0, len(x))
-        reg = LinearRegression().fit(X, Y)
-        return cls(float(reg.coef_[0]), float(reg.intercept_), float(reg.score(X, Y)), len(x))
+__all__ = ["MODES", "STAGES", "check_profile", "family_block_dims", "fit_profile",
+           "fit_stages", "profile_compute", "profile_disk_load", "profile_dram_load",
+           "profile_stages", "r2_report", "stage_sizes"]  # fmt: skip
 
 
-def block_class(d: BlockDims) -> str:
-    return f"{d.kind}:{d.channels}"
-
-
-@dataclass
-class Profile:
-    model: str
-    device: str
-    dtype: str
-    size: int
-    #: block class -> mode -> fit of ms against FLOPs
-    compute: dict[str, dict[str, LinearFit]]
-    #: tier -> fit of ms against bytes
-    load: dict[str, LinearFit]
-    #: block id -> class
-    blocks: dict[int, str]
-    meta: dict
-    #: the step outside its blocks: fit of ms against batch rows * pixels; None in profiles
-    #: fitted before it was measured
-    other: LinearFit | None = None
-    #: stage (STAGES) -> fit of ms against working pixels of one request; empty in profiles
-    #: fitted before they were measured
-    stages: dict[str, LinearFit] = field(default_factory=dict)
-
-    def set_stages(self, samples: dict[str, list[tuple[int, float]]]) -> None:
-        """Fit the stages from their (pixels, ms) samples and keep the samples in meta."""
-        self.stages = fit_stages(samples)
-        self.meta = dict(self.meta, stage_samples={k: [[x, ms] for x, ms in v]
-                                                   for k, v in samples.items()})  # fmt: skip
-
-    def compute_ms(self, block_id: int, mode: str, flops: float) -> float:
-        return self.compute[self.blocks[block_id]][mode].predict(flops)
-
-    def load_ms(self, tier: str, nbytes: float) -> float:
-        return self.load[tier].predict(nbytes) if nbytes > 0 else 0.0
-
-    def to_json(self) -> dict:
-        compute = {c: {m: asdict(f) for m, f in fits.items()} for c, fits in self.compute.items()}
-        return {
-            "model": self.model, "device": self.device, "dtype": self.dtype, "size": self.size,
-            "compute": compute,
-            "load": {t: asdict(f) for t, f in self.load.items()},
-            "blocks": {str(b): c for b, c in self.blocks.items()},
-            "other": asdict(self.other) if self.other is not None else None,
-            "stages": {k: asdict(f) for k, f in self.stages.items()},
-            "meta": self.meta,
-        }  # fmt: skip
-
-    @classmethod
-    def from_json(cls, data: dict) -> Profile:
-        return cls(
-            model=data["model"],
-            device=data["device"],
-            dtype=data["dtype"],
-            size=int(data["size"]),
-            compute={
-                c: {m: LinearFit(**f) for m, f in fits.items()}
-                for c, fits in data["compute"].items()
-            },
-            load={t: LinearFit(**f) for t, f in data["load"].items()},
-            blocks={int(b): c for b, c in data["blocks"].items()},
-            meta=data.get("meta", {}),
-            other=LinearFit(**data["other"]) if data.get("other") else None,
-            stages={k: LinearFit(**f) for k, f in (data.get("stages") or {}).items()},
-        )
-
-    @classmethod
-    def load_file(cls, path: str | Path) -> Profile:
-        return cls.from_json(json.loads(Path(path).read_text()))
-
-
-def family_block_dims(fam) -> dict[int, BlockDims]:  # noqa: ANN001 - a loaded model family
-    """Block id -> dimensions of every transformer block the masked executor runs."""
-    return {b.block_id: block_dims(fam.backbone.get_submodule(b.name), b.block_id, b.kind)
-            for b in fam.masked.blocks}  # fmt: skip
+def family_block_dims(fam) -> dict[int, BlockSpec]:  # noqa: ANN001 - a loaded model family
+    """Block id -> spec of every transformer block the masked executor runs."""
+    return {d.block_id: d for d in family_blocks(fam)}
 
 
 def check_profile(profile: Profile, fam, path: str = "profile") -> None:  # noqa: ANN001
-    """ValueError unless `profile` was fitted for this model's blocks (same ids, same classes):
-    a profile of another model plans with the wrong fits, or fails every step that reads a
-    cache on a block it does not know. The model name may differ (a profile fitted on the
-    random-weight `FAMILY:full` serves a local directory of the same architecture)."""
-    want = {b: block_class(d) for b, d in family_block_dims(fam).items()}
-    if profile.blocks != want:
-        missing = sorted(set(want) - set(profile.blocks))
-        wrong = sorted(b for b in want if b in profile.blocks and profile.blocks[b] != want[b])
-        raise ValueError(
-            f"{path} was fitted for {profile.model} ({len(profile.blocks)} blocks), not for this "
-            f"model ({len(want)} blocks): "
-            + (f"blocks {missing[:5]} missing; " if missing else "")
-            + (f"blocks {wrong[:5]} of another class; " if wrong else "")
-            + "fit one with `instgenie profile` for this model"
-        )
+    """scheduler.fits.check_profile against this loaded model's blocks (ValueError unless
+    `profile` was fitted for the same block ids and classes)."""
+    check_blocks(profile, {b: block_class(d) for b, d in family_block_dims(fam).items()}, path)
 
 
 def _sync(device: torch.device) -> None:
@@ -263,11 +162,6 @@ def profile_stages(pipe, sizes, warmup: int, iters: int) -> dict[str, list[tuple
         for s in STAGES:
             out[s].append((size * size, statistics.median(times[s])))
     return out
-
-
-def fit_stages(samples: dict[str, list[tuple[int, float]]]) -> dict[str, LinearFit]:
-    return {s: LinearFit.fit([x for x, _ in pts], [ms for _, ms in pts])
-            for s, pts in samples.items() if pts}  # fmt: skip
 
 
 def profile_dram_load(device: torch.device, sizes_mb, iters: int = 5) -> list[tuple[int, float]]:

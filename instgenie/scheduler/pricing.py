@@ -1,0 +1,147 @@
+"""Pricing a denoising step's blocks: the one code path that both the worker's per-step planner
+(engine/step_pricing.py) and the router's estimate (estimate.py) call.
+
+`step_costs(spec, pixels, works)` gives, for a batch of one working size and every hooked block
+(execution order, spec.blocks), the latency of computing the batch's masked tokens (the "cached"
+fit of the block's class at the batch's FLOPs), of computing every token ("full" fit), and of
+loading the rows of the requests whose cache is copied host -> device for every step (the
+"dram" load fit at their bytes, one copy per request). The planner (planner.plan_step, the
+paper's Algorithm 1) turns them into the blocks that compute all tokens. Without fitted compute
+(no profile) prices are nominal FLOPs (`NOMINAL_FLOPS_PER_MS`; relative prices only).
+
+FLOPs (paper Table 1, keys/values over all tokens): 2 FLOPs per multiply-add, matmuls and
+attention only (what torch.utils.flop_counter counts), so predictions and counted FLOPs agree.
+Pure Python: no torch, no diffusers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from instgenie.scheduler.fits import fit_ms
+from instgenie.scheduler.planner import BlockCosts
+from instgenie.scheduler.spec import BlockSpec, CostSpec, block_class
+
+#: bytes per element of the cache dtypes (torch.<name>.itemsize), float8 variants excluded
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+#: FLOPs per millisecond of the nominal device that prices batches without a profile
+#: (100 TFLOP/s); only ratios of such prices are used
+NOMINAL_FLOPS_PER_MS = 1e11
+#: CostSpecs whose block kinds are remembered (workers, restarted ones included)
+_LAYOUTS_MAX = 64
+
+
+def row_macs(d: BlockSpec, L: int, n: int, text_len: int) -> int:
+    """Multiply-adds of one batch row computing n of its L image tokens (n = L: full)."""
+    C = d.channels
+    if d.kind == "unet":
+        macs = 2 * n * C * C + 2 * L * C * C + 2 * n * L * C + n * d.ff_macs
+        if d.context_dim:
+            macs += 2 * n * C * C + 2 * text_len * d.context_dim * C + 2 * n * text_len * C
+        return macs
+    tt = text_len
+    if d.kind == "flux_dual":
+        return (
+            2 * 6 * C * C  # AdaLN modulation of both streams
+            + 4 * tt * C * C + tt * d.ff_macs  # text projections and feed-forward
+            + 2 * n * C * C + 2 * L * C * C  # image q/out on n tokens, k/v on all
+            + n * d.ff_macs
+            + 2 * (tt + n) * (tt + L) * C  # joint attention
+        )  # fmt: skip
+    per_query = C * C + C * d.mlp + (C + d.mlp) * C
+    return 3 * C * C + (tt + n) * per_query + 2 * (tt + L) * C * C + 2 * (tt + n) * (tt + L) * C
+
+
+def batch_flops(d: BlockSpec, L: int, masked_per_row: list[int], text_len: int) -> int:
+    """FLOPs of one block for a batch whose row r computes masked_per_row[r] tokens."""
+    return 2 * sum(row_macs(d, L, n, text_len) for n in masked_per_row)
+
+
+def cached_bytes(L: int, C: int, rows: int, cache_dtype: str) -> int:
+    """Bytes of `rows` cached block outputs as stored (whole rows: every token of each row);
+    fp8 adds one float32 scale per token."""
+    if cache_dtype.startswith("float8"):
+        return rows * L * (C + 4)
+    return rows * L * C * ITEMSIZE[cache_dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestWork:
+    """One request of a step's batch, as pricing sees it."""
+
+    rows: int  # batch rows: 2 with classifier-free guidance, else 1
+    #: (token stride in pixels, masked tokens it computes on that grid), one per stride of the
+    #: spec's blocks, sorted; None: the full path (no cache read: every token)
+    tokens: tuple[tuple[int, int], ...] | None = None
+    #: its cached rows are copied host -> device for every step (one copy per request, priced
+    #: with the "dram" load fit); False for a cache on the device or read through a step window
+    loads: bool = False
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A spec's blocks grouped into kinds: blocks of one class and stride cost the same, so each
+    kind is priced once (SDXL: 70 blocks, 2 kinds; Flux: 57 blocks, 2 kinds)."""
+
+    kinds: tuple[tuple[BlockSpec, int], ...]  # (the kind's block with block_id 0, stride)
+    seq: tuple[int, ...]  # kind of each block, execution order
+    strides: tuple[int, ...]  # token strides of the blocks, ascending
+
+
+_layouts: dict[int, tuple[CostSpec, _Layout]] = {}
+
+
+def layout(spec: CostSpec) -> _Layout:
+    """The kinds of `spec`'s blocks, remembered per spec object."""
+    hit = _layouts.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    kinds: dict[tuple[BlockSpec, int], int] = {}
+    seq = tuple(
+        kinds.setdefault((dataclasses.replace(b, block_id=0), b.stride), len(kinds))
+        for b in sorted(spec.blocks, key=lambda b: b.block_id)
+    )
+    lay = _Layout(tuple(kinds), seq, tuple(sorted({b.stride for b in spec.blocks})))
+    if len(_layouts) >= _LAYOUTS_MAX:
+        _layouts.clear()
+    _layouts[id(spec)] = (spec, lay)
+    return lay
+
+
+def step_costs(spec: CostSpec, pixels: int, works: Sequence[RequestWork]) -> BlockCosts:
+    """Per block (execution order) the costs of one step of `works`, a batch of one working size
+    of `pixels` (width * height), priced with `spec`'s fits. A block of stride s has
+    max(1, pixels // s²) tokens a row. With no request reading a cache, the masked compute is
+    the full compute (there is nothing to read)."""
+    lay = layout(spec)
+    t = spec.text_len
+    toks = [None if w.tokens is None else dict(w.tokens) for w in works]
+    reads = any(tk is not None for tk in toks)
+    rows = sum(w.rows for w in works)
+    dram = spec.load.get("dram")
+    per_kind = []
+    for d, stride in lay.kinds:
+        L = max(1, pixels // (stride * stride))
+        counts: Counter[int] = Counter()  # masked tokens per row -> rows
+        load = 0.0
+        for w, tk in zip(works, toks, strict=True):
+            counts[L if tk is None else tk[stride]] += w.rows
+            if w.loads:  # one copy per request, each priced by the fit
+                load += fit_ms(dram, cached_bytes(L, d.channels, w.rows, spec.cache_dtype))
+        # = batch_flops(d, L, rows' masked tokens, t): a sum of per-row terms
+        full = _compute_ms(spec, d, "full", 2 * rows * row_macs(d, L, L, t))
+        cached = full
+        if reads:
+            flops = 2 * sum(k * row_macs(d, L, n, t) for n, k in counts.items())
+            cached = _compute_ms(spec, d, "cached", flops)
+        per_kind.append((cached, full, load))
+    return BlockCosts.from_kinds(per_kind, lay.seq)
+
+
+def _compute_ms(spec: CostSpec, d: BlockSpec, mode: str, flops: float) -> float:
+    if not spec.compute:
+        return flops / NOMINAL_FLOPS_PER_MS
+    return fit_ms(spec.compute.get(f"{block_class(d)}/{mode}"), flops)
