@@ -71,7 +71,7 @@ def edit_batch(
         for i, (k, m) in enumerate(zip(keys, masks, strict=True))
     ]
     states = [pipe.preprocess(r) for r in reqs]
-    assert all(s.path == "masked" for s in states), [s.extras for s in states]
+    assert all(s.path == "masked" for s in states), [s.notes for s in states]
     ex = pipe.family.masked
     events, loaded = [], []
     torch.cuda.synchronize()

@@ -10,8 +10,9 @@ Invariant: decode raises MessageError, and nothing else, for any input that is n
 (unknown tag, other version, unknown or missing fields, wrong types, oversized, not msgpack); a
 field with a default may be absent. Types are checked at encode and decode (not at construction)
 from the resolved annotations: int (64-bit), float, bool, str, bytes, None, unions, list[T],
-tuple[A, B], dict[str, T], nested structs, and Any = a msgpack-native value at most MAX_DEPTH
-deep; built-in types exactly (bool is not an int), but an int is a valid float (decoded as float).
+tuple[A, B], dict[str, T], nested structs and StrEnums (a member of that enum exactly at encode, one
+of its values at decode); no `Any`: every field has a type. Built-in types exactly (bool is not an
+int), but an int is a valid float (decoded as float).
 Owners: client (API server, tests, load tester), sup (worker supervisor), pre/loop/post (processes).
 """
 
@@ -21,6 +22,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import msgpack
@@ -29,14 +31,44 @@ from instgenie.errors import InstGenIEError
 from instgenie.scheduler.fits import LinearFit
 from instgenie.scheduler.spec import BlockSpec, CostSpec
 
-SCHEMA_VERSION = 6  # 6: CostSpec of scheduler.spec (LinearFit with r2, n; BlockSpec)
+SCHEMA_VERSION = 7  # 6: CostSpec of scheduler.spec; 7: typed request state (notes, meta, enums)
 MAX_MESSAGE_BYTES = 64 << 20  # default cap on one encoded message, bytes (tensors go via shm)
-MAX_DEPTH = 32  # nesting limit of `Any` values
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry
 
 
 class MessageError(InstGenIEError, ValueError):  # not a valid message, or cannot be encoded
     code = "bad_message"
+
+
+# ---- vocabularies (StrEnum: equal to, and JSON/SQLite-written as, their string value) ---------
+class Path(StrEnum):  # how an edit's denoising ran (EditPipeline.select_path)
+    MASKED = "masked"  # computes its masked tokens, reads the rest from its template's cache
+    FULL = "full"  # computes every token
+
+
+class CacheOutcome(StrEnum):  # an edit of a template: could it read the template's cache
+    HIT = "hit"  # read it (path masked)
+    MISS = "miss"  # not usable (not ready, mismatched, evicted): path full, with a reason
+
+
+class Tier(StrEnum):  # where a template's cache was read from
+    GPU = "gpu"  # the loop's device store on a CUDA device
+    CPU = "cpu"  # the loop's device store on the CPU
+    DRAM = "dram"  # the host store's shared memory
+    DISK = "disk"  # the host store's disk entries
+
+    @classmethod
+    def named(cls, name: str) -> Tier | None:
+        """The tier a store names (cache.store.tier_of), None for a name outside these."""
+        return cls._value2member_map_.get(name)  # type: ignore[return-value]
+
+
+class Stage(StrEnum):  # what happens to a request on its worker, in order
+    PREPROCESS = "preprocess"  # image decode and validation (sup: sent to pre)
+    ENCODE = "encode"  # prompt + VAE encode in the loop (model_stages="loop")
+    DENOISE = "denoise"  # in the denoise batch (the API's job stage; steps report Progress.step)
+    DECODE = "decode"  # VAE decode in the loop (model_stages="loop")
+    POSTPROCESS = "postprocess"  # resize back, paste back, image encode (sup: sent to post)
 
 
 class Message:  # root of top-level messages (abstract)
@@ -93,8 +125,11 @@ _SCALARS.update({str: (str,), bytes: (bytes, bytearray), type(None): (type(None)
 
 
 def _spec(tp: Any) -> Any:
-    """Scalar type, Any, nested struct, or (origin, arg specs, name); TypeError if not allowed."""
-    if tp in _SCALARS or tp is Any or tp in _SCHEMAS:  # nested structs register before users
+    """Scalar type, nested struct, StrEnum, or (origin, arg specs, name); TypeError if not
+    allowed."""
+    if tp in _SCALARS or tp in _SCHEMAS:  # nested structs register before users
+        return tp
+    if isinstance(tp, type) and issubclass(tp, StrEnum):
         return tp
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     origin = typing.Union if origin is types.UnionType else origin
@@ -128,25 +163,15 @@ def _conv(spec: Any, v: Any, path: str, dec: bool) -> Any:
         raise _fail(path, want, v)
     if spec in _SCHEMAS:
         return _struct(spec, v, path, dec)
-    if spec is Any:
-        return _any(v, path, 0)
+    if spec not in _SCALARS:  # a StrEnum: its member travels as its value
+        if not dec and type(v) is spec:
+            return v.value
+        if dec and type(v) is str and v in spec._value2member_map_:
+            return spec(v)
+        raise _fail(path, f"{spec.__name__} ({'|'.join(spec)})", v)
     if type(v) not in _SCALARS[spec] or (spec is int and not _INT_MIN <= v <= _INT_MAX):
         raise _fail(path, spec.__name__, v)
     return float(v) if spec is float else v
-
-
-def _any(v: Any, path: str, depth: int) -> Any:
-    """A msgpack-native value (the meaning of `Any` in a message), at most MAX_DEPTH deep."""
-    t = type(v)
-    if v is None or t in (bool, float, str, bytes, bytearray):
-        return v
-    if t is int:
-        return _conv(int, v, path, False)
-    if depth < MAX_DEPTH and t in (list, tuple):
-        return [_any(x, path + "[]", depth + 1) for x in v]
-    if depth < MAX_DEPTH and t is dict:
-        return {_conv(str, k, path, False): _any(x, path + "{}", depth + 1) for k, x in v.items()}
-    raise _fail(path, f"msgpack-native value at most {MAX_DEPTH} deep", v)
 
 
 def _struct(cls: type, v: Any, path: str, dec: bool) -> Any:
@@ -245,6 +270,59 @@ class StepEntry(Nested):  # one iteration of the denoise loop (loop)
     tiers: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(slots=True, frozen=True, kw_only=True)
+class RequestNotes(Nested):  # what a request's stages learn about it (RequestState.notes)
+    #: a capture run: the registered template it builds (client id) and the cache key it records
+    template_id: str | None = None
+    capture_key: str | None = None
+    capture_lost_race: bool = False  # a capture run whose key another process captures
+    cache: CacheOutcome | None = None  # an edit of a template: could it read the cache; else None
+    cache_tier: Tier | None = None  # on a hit: where the cache was read from when it joined
+    fallback_reason: str | None = None  # a miss: why the edit runs the full path
+    encode_ms: float = 0.0  # prompt + VAE encode in the loop, ms (model_stages="loop"; else 0)
+    decode_ms: float = 0.0  # VAE decode in the loop, its share of the batch's, ms (else 0)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class EditParams(Nested):  # an engine EditRequest without its image and mask (worker.codec)
+    uid: str  # the request's uid (a capture run: "capture:<key prefix>")
+    prompt: str
+    seed: int
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    strength: float = 1.0
+    height: int | None = None  # pixels
+    width: int | None = None  # pixels
+    paste_back: bool = True
+    output_format: str = "png"
+    template_id: str | None = None  # the pipeline's template key (not the client's id)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class InputsMeta(Nested):  # decoded inputs, model work not done (pre -> loop, model_stages="loop")
+    uid: str  # SubmitEdit.uid, or the capture run's uid
+    request: EditParams
+    image_mode: str  # PIL mode of the image tensors ("RGB"); masks are "L"
+    height: int  # working size, pixels
+    width: int
+    notes: RequestNotes
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class StateMeta(Nested):  # the non-tensor part of a RequestState (worker.codec.to_parts)
+    uid: str  # SubmitEdit.uid, or the capture run's uid
+    request: EditParams
+    guidance_scale: float  # as resolved (the family's default when the request gave none)
+    num_rows: int  # 2 with classifier-free guidance, else 1
+    step_index: int  # steps done
+    path: Path
+    image_mode: str  # PIL mode of the image tensors ("RGB"); masks are "L"
+    notes: RequestNotes
+    size: tuple[int, int] | None = None  # RequestState.size: (height, width), pixels
+    decoded_mode: str | None = None  # PIL mode of the "decoded" tensor, when the loop decoded
+
+
 # ---- client -> worker (client fills every field; types are checked here, values by pre) -------
 @dataclass(slots=True, frozen=True, kw_only=True)
 class SubmitEdit(ClientToWorker):  # one edit request
@@ -317,9 +395,9 @@ class Progress(WorkerToClient):  # a denoise step finished (loop), or the reques
     uid: str  # SubmitEdit.uid
     step: int  # steps done, 1..num_steps; 0 in a stage report
     num_steps: int  # denoise steps the request will run; 0 in a stage report before it is known
-    #: the stage it entered: "preprocess" (sup), "encode", "decode" (loop), "postprocess" (sup);
-    #: "" = a denoise step report
-    stage: str = ""
+    #: the stage it entered: PREPROCESS (sup), ENCODE, DECODE (loop), POSTPROCESS (sup);
+    #: None = a denoise step report
+    stage: Stage | None = None
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -331,10 +409,10 @@ class EditDone(WorkerToClient):  # the result (post); times: worker wall clock, 
     height: int  # pixels
     mask_ratio: float  # fraction of latent tokens masked, [0, 1]
     num_steps: int  # denoise steps run
-    path: str  # "masked" (template cache used) | "full"
-    cache: str | None = None  # "hit" (template cache read) | "miss" | None (no template)
-    cache_tier: str | None = None  # on a hit, where the cache was read from when the edit joined:
-    # "gpu" | "cpu" (the loop's device store) | "dram" | "disk" (host store); None otherwise
+    path: Path  # MASKED (template cache used) | FULL
+    cache: CacheOutcome | None = None  # HIT (template cache read) | MISS | None (no template)
+    cache_tier: Tier | None = None  # on a hit, where the cache was read from when the edit
+    # joined: GPU | CPU (the loop's device store) | DRAM | DISK (host store); None otherwise
     fallback_reason: str | None = None  # an edit of a template on the full path: why (loop's
     # path selection, EditPipeline.select_path); None otherwise
     queue_ms: float = 0.0  # waiting: total_ms minus the three stage times below
@@ -387,7 +465,7 @@ class WorkerReady(WorkerToClient):  # loaded and accepting requests (sup)
 class Prepared(Internal):  # pre -> loop; the receiver owns `state` and must release it
     uid: str  # SubmitEdit.uid
     state: TensorBundle  # latents, prompt embeddings, masks, ...
-    meta: dict[str, Any]  # non-tensor request state (steps, guidance, sizes, ...)
+    meta: InputsMeta | StateMeta  # decoded inputs (model_stages="loop") or a prepared state
     preprocess_ms: float  # pre-process wall time, ms
     pid: int  # pre-process pid (whose shm prefix to clean up if it dies)
 
@@ -396,7 +474,7 @@ class Prepared(Internal):  # pre -> loop; the receiver owns `state` and must rel
 class Finished(Internal):  # loop -> post; the receiver owns `latents` and must release it
     uid: str  # SubmitEdit.uid
     latents: TensorBundle  # final latents (and whatever post needs)
-    meta: dict[str, Any]  # Prepared.meta plus the loop's additions
+    meta: StateMeta  # the finished state (its notes carry the loop's additions)
     denoise_ms: float  # joined the batch -> left it, ms
 
 

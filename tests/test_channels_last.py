@@ -68,7 +68,7 @@ def test_masked_replay_exact_in_channels_last(family: str) -> None:
     key = pipe.build_template(TemplateSpec(image=img, mask=mask, **common))
     edit = EditRequest(uid="e", image=None, template_id=key, mask=mask, paste_back=False, **common)
     masked = _run(pipe, pipe.preprocess(edit))
-    assert masked.path == "masked" and masked.extras["cache"] == "hit"
+    assert masked.path == "masked" and masked.notes.cache == "hit"
     full = _full(pipe, EditRequest(uid="f", image=img, mask=mask, paste_back=False, **common))
     _close(masked.latents, full.latents)
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
 from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
+from instgenie.messages import EditParams, RequestNotes
 from instgenie.worker.codec import (
     decoded_image,
     from_parts,
@@ -52,10 +55,11 @@ def test_split_stages_equal_the_one_process_pipeline() -> None:
         assert weights and all(p.device.type == "meta" for p in weights)  # no model in memory
         req = EditRequest(uid="s", image=png_bytes(make_image(72, 64)), mask=png_bytes(
             make_mask(72, 64)), prompt="a cap", seed=5, num_inference_steps=2)  # fmt: skip
-        uid, inputs, extras = inputs_from_parts(
-            *inputs_to_parts("s", codec_only.decode_inputs(req), {"k": 1})
+        notes = RequestNotes(template_id="t", capture_key="k")
+        uid, inputs, back = inputs_from_parts(
+            *inputs_to_parts("s", codec_only.decode_inputs(req), notes)
         )
-        assert (uid, extras) == ("s", {"k": 1})
+        assert (uid, back) == ("s", notes)
         state = pipe.encode_inputs(inputs)
         while not state.is_done:
             pipe.denoise_step([state])
@@ -64,3 +68,10 @@ def test_split_stages_equal_the_one_process_pipeline() -> None:
         post_state = from_parts(tensors, meta, torch.device("cpu"))
         out = codec_only.finish(post_state, decoded_image(tensors, meta))
         assert out.data == pipe.run([req])[0].data
+
+
+def test_edit_params_carry_every_request_field() -> None:
+    """The wire form of an EditRequest (messages.EditParams) has every field but the images:
+    a field added to one and not the other would be lost between processes."""
+    request = {f.name for f in dataclasses.fields(EditRequest)} - {"image", "mask"}
+    assert {f.name for f in dataclasses.fields(EditParams)} == request

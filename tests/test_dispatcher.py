@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from instgenie.config import Config, LimitsConfig
-from instgenie.messages import EditDone
+from instgenie.messages import EditDone, Path
 from instgenie.scheduler.routing import LeastLoaded, RouteRequest
 from instgenie.server.config import ServerConfig
 from instgenie.server.dispatcher import Dispatcher
@@ -60,7 +60,7 @@ def _dispatcher(slots: int, timeout_s: float, max_queue: int = 4):
 
 def _done(uid: str) -> EditDone:
     return EditDone(uid=uid, data=b"out", output_format="png", width=64, height=64,
-                    mask_ratio=0.5, num_steps=2, path="full")  # fmt: skip
+                    mask_ratio=0.5, num_steps=2, path=Path.FULL)  # fmt: skip
 
 
 async def _timed_run(d: Dispatcher, ticket) -> tuple[BaseException | None, float]:

@@ -20,6 +20,7 @@ from instgenie.messages import RegisterTemplate
 from instgenie.server.jobs import JobTable
 from instgenie.server.state_db import (
     SCHEMA_VERSION,
+    JobState,
     StateDB,
     StateDBError,
     StoredJob,
@@ -43,9 +44,11 @@ def test_state_db_is_versioned_wal_and_reopens_with_its_rows(tmp_path: Path) -> 
         assert db.version == SCHEMA_VERSION and db.journal_mode == "wal"
         db.put_template(_template())
         db.put_template(_template("cd" * 32, mask=b"mask-bytes"))
-        job = StoredJob("job_1", "done", 10.0, 12.5, 2, 2, {"id": "e", "image": "AAAA"}, None)
+        job = StoredJob(
+            "job_1", JobState.DONE, 10.0, 12.5, 2, 2, {"id": "e", "image": "AAAA"}, None
+        )
         db.put_job(job)
-        db.put_job(StoredJob("job_2", "running", 11.0, None, 1, 2, None, None))
+        db.put_job(StoredJob("job_2", JobState.RUNNING, 11.0, None, 1, 2, None, None))
         assert Path(f"{path}-wal").exists()  # committed into the write-ahead log
     with StateDB(path) as db:  # a new process would see the same
         assert db.load_templates() == [_template(), _template("cd" * 32, mask=b"mask-bytes")]
@@ -75,7 +78,7 @@ def test_a_failed_commit_leaves_no_transaction_open(tmp_path: Path) -> None:
         with pytest.raises(StateDBError, match="FOREIGN KEY"), db._txn() as c:
             c.execute("INSERT INTO ch VALUES (5)")  # accepted now, refused at COMMIT
         assert not db._conn.in_transaction
-        db.put_job(StoredJob("job_1", "done", 10.0, 12.5, 2, 2, None, None))
+        db.put_job(StoredJob("job_1", JobState.DONE, 10.0, 12.5, 2, 2, None, None))
         assert [j.id for j in db.load_jobs()] == ["job_1"]
 
 
@@ -119,12 +122,14 @@ def test_jobs_commit_their_end_before_it_is_visible_and_reload_after_a_restart(
                 job.push("queued", {"position": 0})
                 await table.save(job)
             running.push("running", {})
-            end = table.finish(done, "done", result={"id": "e1", "image": "QUJD", "path": "masked"})
+            end = table.finish(
+                done, JobState.DONE, result={"id": "e1", "image": "QUJD", "path": "masked"}
+            )
             assert done.status == "queued" and done.result is None  # not before the commit
             await end
             assert done.status == "done" and done.events[-1][0] == "done"
             assert db.load_jobs()[0].status == "done"  # stored before it was visible
-            await table.finish(expired, "failed", error={"code": "timeout", "message": "t"})
+            await table.finish(expired, JobState.FAILED, error={"code": "timeout", "message": "t"})
             return done.id, running.id, expired.id
 
     done_id, running_id, expired_id = asyncio.run(first_run())

@@ -89,7 +89,7 @@ def test_corrupt_disk_entry_falls_back_to_full(host_pipe, tmp_path) -> None:
     data[-100] ^= 0xFF  # flip one byte of the activations
     path.write_bytes(bytes(data))
     s = pipe.preprocess(edit)
-    assert (s.path, s.extras["cache"]) == ("full", "miss")
+    assert (s.path, s.notes.cache) == ("full", "miss")
     pipe.release(s)
     stats = pipe.store.tiered.stats()
     assert stats["corrupt"] == 1 and stats["quarantined"] == 1

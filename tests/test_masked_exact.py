@@ -73,7 +73,7 @@ def test_replay_equals_full(family: str, mask_name: str) -> None:
     key = pipe.build_template(TemplateSpec(image=img, mask=mask, **common))
     edit = EditRequest(uid="e", image=None, template_id=key, mask=mask, paste_back=False, **common)
     masked = pipe.preprocess(edit)
-    assert masked.path == "masked" and masked.extras["cache"] == "hit"
+    assert masked.path == "masked" and masked.notes.cache == "hit"
     _run(pipe, masked)
     ctx = pipe.family.masked.last_context
     assert sorted(ctx.masked_blocks) == list(range(pipe.family.masked.num_blocks))

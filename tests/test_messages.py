@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 import typing
 from typing import Any
@@ -32,6 +33,23 @@ COST = m.CostSpec(
     compute={"unet:32/cached": m.LinearFit(slope=2e-12, intercept=0.5)},
     load={"dram": m.LinearFit(slope=1e-8, intercept=0.01)}, profile="profiles/x.json",
 )
+PARAMS = m.EditParams(
+    uid="u1", prompt="a red hat", seed=-5, negative_prompt="blur", num_inference_steps=20,
+    guidance_scale=7.5, strength=0.9, height=512, width=768, paste_back=False,
+    output_format="webp", template_id="ab" * 32,
+)
+NOTES = m.RequestNotes(
+    cache=m.CacheOutcome.HIT, cache_tier=m.Tier.DRAM, encode_ms=3.5, decode_ms=4.25
+)
+STATE_META = m.StateMeta(
+    uid="u1", request=PARAMS, guidance_scale=7.5, num_rows=2, step_index=20, path=m.Path.MASKED,
+    image_mode="RGB", notes=NOTES, size=(512, 768), decoded_mode="RGB",
+)
+INPUTS_META = m.InputsMeta(
+    uid="capture:0123456789abcdef", request=m.EditParams(uid="capture:0123", prompt="", seed=0),
+    image_mode="RGBA", height=64, width=96,
+    notes=m.RequestNotes(template_id="ef" * 32, capture_key="01" * 32, capture_lost_race=True),
+)
 EXAMPLES: list[m.Message] = [
     m.SubmitEdit(
         uid="u1", image=b"\x89PNG...", mask=b"mask", prompt="a red hat", negative_prompt="blur",
@@ -50,9 +68,11 @@ EXAMPLES: list[m.Message] = [
     m.GetStepLog(since_step=100),
     m.Accepted(uid="u1", queue_position=3),
     m.Progress(uid="u1", step=4, num_steps=20),
+    m.Progress(uid="u1", step=0, num_steps=0, stage=m.Stage.ENCODE),
     m.EditDone(
         uid="u1", data=b"\x00" * 100, output_format="png", width=512, height=512, mask_ratio=0.25,
-        num_steps=20, path="full", cache="miss", queue_ms=1.0, preprocess_ms=2.0,
+        num_steps=20, path=m.Path.FULL, cache=m.CacheOutcome.MISS, queue_ms=1.0,
+        preprocess_ms=2.0,
         fallback_reason="the edit runs 20 denoise steps but the template's cache was captured at 4",
         denoise_ms=300.0, postprocess_ms=4.0, total_ms=310.5,
     ),
@@ -66,11 +86,10 @@ EXAMPLES: list[m.Message] = [
     m.Stats(counters={}, cost=COST),
     m.StepLog(entries=[STEP, dataclasses.replace(STEP, step=8, members=[])]),
     m.WorkerReady(pid=1234, model="sd2-inpaint:tiny", device="cpu"),
-    m.Prepared(
-        uid="u1", state=BUNDLE, preprocess_ms=3.5, pid=99,
-        meta={"steps": 20, "size": [512, 512], "nested": {"a": None, "b": [1.5, True, b"x"]}},
-    ),
-    m.Finished(uid="u1", latents=BUNDLE, meta={}, denoise_ms=250.0),
+    m.Prepared(uid="u1", state=BUNDLE, preprocess_ms=3.5, pid=99, meta=INPUTS_META),
+    m.Prepared(uid="u1", state=BUNDLE, preprocess_ms=3.5, pid=99,
+               meta=dataclasses.replace(STATE_META, step_index=0, decoded_mode=None, size=None)),
+    m.Finished(uid="u1", latents=BUNDLE, meta=STATE_META, denoise_ms=250.0),
     m.Heartbeat(pid=99, loop_iterations=12345, in_flight=["u1", "u2"], time=123.25),
     m.LoopSteps(entries=[STEP]),
     m.LoopSteps(entries=[], cache={"evictions_dram": 2.0, "bytes_disk": 1e9}),
@@ -83,6 +102,7 @@ EXAMPLES: list[m.Message] = [
     m.Pong(nonce=-(2**63), time=1.0, pid=1),
 ]
 # fmt: on
+DONE = next(e for e in EXAMPLES if isinstance(e, m.EditDone))
 
 
 def _nested_names(obj: Any) -> set[str]:
@@ -149,6 +169,8 @@ def strategy(tp: Any) -> st.SearchStrategy:
     }  # fmt: skip
     if tp in scalars:
         return scalars[tp]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return st.sampled_from(list(tp))
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
         return st.builds(tp, **{f.name: strategy(hints[f.name]) for f in dataclasses.fields(tp)})
@@ -247,7 +269,10 @@ def _deep(n: int) -> Any:
 _CANCEL = {"uid": "u"}
 _REF = {"name": "x", "dtype": "uint8", "shape": [2], "offset": 0, "nbytes": 2}
 _STEP, _BUNDLE = dataclasses.asdict(STEP), dataclasses.asdict(BUNDLE)
-_FIN = {"uid": "u", "meta": {}, "denoise_ms": 1.0, "latents": _BUNDLE}
+_META = {**dataclasses.asdict(STATE_META), "path": "masked", "size": None}
+_META["notes"] = {"cache": "hit", "cache_tier": "dram"}
+_FIN = {"uid": "u", "meta": _META, "denoise_ms": 1.0, "latents": _BUNDLE}
+_PREP = {"uid": "u", "state": _BUNDLE, "meta": _META, "preprocess_ms": 1.0, "pid": 1}
 _BAD = {
     "empty": b"",
     "not msgpack": b"\xc1",
@@ -279,8 +304,31 @@ _BAD = {
     "nested missing field": _frame("Finished", {**_FIN, "latents": {"segment": "s", "size": 1}}),
     "nested bad element": _frame("Finished", {**_FIN, "latents": {**_BUNDLE, "tensors": [{}]}}),
     "list for dict": _frame("Stats", {"counters": [1.0]}),
-    "Any too deep": _frame("Finished", {**_FIN, "meta": {"d": _deep(m.MAX_DEPTH + 1)}}),
+    "deep value for a struct": _frame("Finished", {**_FIN, "meta": {"d": _deep(40)}}),
     "deep raw nesting": b"\x91" * 5000 + b"\xc0",
+    # a prepared request's meta is typed: a malformed one is refused like any other field
+    "meta not a map": _frame("Prepared", {**_PREP, "meta": [1, 2]}),
+    "meta str for int": _frame("Prepared", {**_PREP, "meta": {**_META, "num_rows": "2"}}),
+    "meta bool for int": _frame("Prepared", {**_PREP, "meta": {**_META, "step_index": True}}),
+    "meta unknown path": _frame("Prepared", {**_PREP, "meta": {**_META, "path": "partial"}}),
+    "meta path as int": _frame("Prepared", {**_PREP, "meta": {**_META, "path": 1}}),
+    "meta path as bytes": _frame("Prepared", {**_PREP, "meta": {**_META, "path": b"full"}}),
+    "meta path wrong case": _frame("Prepared", {**_PREP, "meta": {**_META, "path": "FULL"}}),
+    "meta unknown tier": _frame(
+        "Prepared", {**_PREP, "meta": {**_META, "notes": {"cache_tier": "nvme"}}}
+    ),
+    "meta unknown note": _frame("Prepared", {**_PREP, "meta": {**_META, "notes": {"x": 1}}}),
+    "meta size too short": _frame("Prepared", {**_PREP, "meta": {**_META, "size": [64]}}),
+    "meta request missing": _frame(
+        "Prepared", {**_PREP, "meta": {k: v for k, v in _META.items() if k != "request"}}
+    ),
+    "meta of neither kind": _frame(
+        "Prepared", {**_PREP, "meta": {**_META, "height": 64, "width": 64}}
+    ),
+    "finished meta as inputs": _frame(
+        "Finished", {**_FIN, "meta": dataclasses.asdict(INPUTS_META)}
+    ),
+    "unknown stage": _frame("Progress", {"uid": "u", "step": 0, "num_steps": 0, "stage": "x"}),
 }
 
 
@@ -322,10 +370,29 @@ class _Unregistered(m.Cancel):
         m.Accepted(uid="u", queue_position=2**64),
         m.Accepted(uid="u", queue_position=-(2**63) - 1),
         m.Shutdown(drain=0),  # type: ignore[arg-type]
-        m.Finished(uid="u", latents="seg", meta={}, denoise_ms=1.0),  # type: ignore[arg-type]
-        m.Prepared(uid="u", state=BUNDLE, meta={"x": object()}, preprocess_ms=1.0, pid=1),
-        m.Prepared(uid="u", state=BUNDLE, meta={1: "int key"}, preprocess_ms=1.0, pid=1),
+        m.Finished(uid="u", latents="seg", meta=STATE_META, denoise_ms=1.0),  # type: ignore[arg-type]
+        m.Prepared(uid="u", state=BUNDLE, meta={"x": object()}, preprocess_ms=1.0, pid=1),  # type: ignore[arg-type]
+        m.Prepared(uid="u", state=BUNDLE, meta={1: "int key"}, preprocess_ms=1.0, pid=1),  # type: ignore[arg-type]
         m.Heartbeat(pid=1, loop_iterations=1, in_flight="u1", time=0.0),  # type: ignore[arg-type]
+        # an enum field takes a member of its enum, not its value nor another enum's member
+        dataclasses.replace(DONE, path="full"),  # type: ignore[arg-type]
+        dataclasses.replace(DONE, path=m.Tier.DISK),  # type: ignore[arg-type]
+        m.Progress(uid="u", step=0, num_steps=0, stage="encode"),  # type: ignore[arg-type]
+        m.Finished(uid="u", latents=BUNDLE, meta=INPUTS_META, denoise_ms=1.0),  # type: ignore[arg-type]
+        m.Prepared(
+            uid="u",
+            state=BUNDLE,
+            meta=dataclasses.replace(STATE_META, notes=dataclasses.replace(NOTES, cache="hit")),
+            preprocess_ms=1.0,
+            pid=1,
+        ),  # type: ignore[arg-type]  # fmt: skip
+        m.Prepared(
+            uid="u",
+            state=BUNDLE,
+            meta=dataclasses.replace(STATE_META, num_rows=2.0),
+            preprocess_ms=1.0,
+            pid=1,
+        ),  # type: ignore[arg-type]  # fmt: skip
         m.Cancel(uid="\udcff"),  # lone surrogate: not UTF-8 encodable
         _Unregistered(uid="u"),
         "not a message",
@@ -336,11 +403,11 @@ def test_encode_rejects(msg: Any) -> None:
         encode(msg)
 
 
-def test_encode_rejects_self_referencing_meta() -> None:
+def test_encode_rejects_self_referencing_value() -> None:
     loop: list = []
     loop.append(loop)
-    with pytest.raises(MessageError, match="deep"):
-        encode(m.Finished(uid="u", latents=BUNDLE, meta={"l": loop}, denoise_ms=1.0))
+    with pytest.raises(MessageError, match="expected str"):
+        encode(m.Heartbeat(pid=1, loop_iterations=1, in_flight=loop, time=0.0))
 
 
 def test_defaults_may_be_absent_and_conversions() -> None:
@@ -354,8 +421,26 @@ def test_defaults_may_be_absent_and_conversions() -> None:
     )
     assert type(back.guidance_scale) is float and back.guidance_scale == 7.0  # type: ignore[attr-defined]
     ref = decode(encode(m.Finished(uid="u", latents=dataclasses.replace(
-        BUNDLE, tensors=[dataclasses.replace(REF, shape=(1, 2))]), meta={}, denoise_ms=1)))  # type: ignore[arg-type]  # fmt: skip
+        BUNDLE, tensors=[dataclasses.replace(REF, shape=(1, 2))]), meta=STATE_META, denoise_ms=1)))  # type: ignore[arg-type]  # fmt: skip
     assert ref.latents.tensors[0].shape == [1, 2]  # type: ignore[attr-defined]
+
+
+def test_enums_travel_as_their_values() -> None:
+    """An enum field is a msgpack str on the wire (what the API and SQLite see) and decodes to
+    its enum's member; a prepared request's meta decodes to its typed struct."""
+    fields = msgpack.unpackb(encode(m.Finished(uid="u", latents=BUNDLE, meta=STATE_META,
+                                               denoise_ms=1.0)))[2]  # fmt: skip
+    assert (fields["meta"]["path"], fields["meta"]["notes"]["cache_tier"]) == ("masked", "dram")
+    assert type(fields["meta"]["path"]) is str
+    back = decode(_frame("Prepared", _PREP))
+    assert isinstance(back, m.Prepared) and type(back.meta) is m.StateMeta
+    assert type(back.meta.path) is m.Path and back.meta.path is m.Path.MASKED
+    assert back.meta.notes == m.RequestNotes(cache=m.CacheOutcome.HIT, cache_tier=m.Tier.DRAM)
+    assert type(back.meta.notes.cache_tier) is m.Tier
+    inputs = decode(encode(m.Prepared(uid="u", state=BUNDLE, meta=INPUTS_META, preprocess_ms=1.0,
+                                      pid=1)))  # fmt: skip
+    assert type(inputs.meta) is m.InputsMeta  # type: ignore[attr-defined]
+    assert m.Tier.named("disk") is m.Tier.DISK and m.Tier.named("absent") is None
 
 
 def test_unsupported_annotations_fail_at_registration() -> None:

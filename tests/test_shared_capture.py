@@ -5,6 +5,7 @@ batched with the losing capture are unaffected. Real loops, pipelines and host s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -63,7 +64,8 @@ def _capture(loop: Loop, tid: str, seed: int):  # noqa: ANN202
                         num_inference_steps=2)  # fmt: skip
     key = loop.pipe.register_template(spec)  # the pre process's part
     state = loop.pipe.prepare_capture(key)
-    state.uid, state.extras["template_id"] = capture_uid(tid), tid
+    state.uid = capture_uid(tid)
+    state.notes = dataclasses.replace(state.notes, template_id=tid)
     return key, state
 
 

@@ -13,8 +13,23 @@ import pytest
 import torch
 
 from instgenie import tensorshm as ts
-from instgenie.messages import Finished, Prepared, TensorBundle, TensorRef, decode, encode
+from instgenie.messages import (
+    EditParams,
+    Finished,
+    InputsMeta,
+    Path,
+    Prepared,
+    RequestNotes,
+    StateMeta,
+    TensorBundle,
+    TensorRef,
+    decode,
+    encode,
+)
 
+PARAMS = EditParams(uid="u", prompt="p", seed=0)
+STATE_META = StateMeta(uid="u", request=PARAMS, guidance_scale=1.0, num_rows=1, step_index=2,
+                       path=Path.FULL, image_mode="RGB", notes=RequestNotes())  # fmt: skip
 PREFIX = f"igtest{os.getpid()}"  # unique per test run; the fixture checks nothing is left
 
 
@@ -70,7 +85,8 @@ def test_pack_unpack_all_dtypes_and_layouts() -> None:
     assert bundle.segment.startswith(PREFIX + "_") and ts.segments(PREFIX) == [bundle.segment]
     assert all(ref.offset % ts.ALIGN == 0 for ref in bundle.tensors)
     assert (
-        decode(encode(Finished(uid="u", latents=bundle, meta={}, denoise_ms=0))).latents == bundle
+        decode(encode(Finished(uid="u", latents=bundle, meta=STATE_META, denoise_ms=0))).latents
+        == bundle
     )
     assert_bit_identical(ts.unpack(bundle), tensors)
     assert_bit_identical(ts.unpack(bundle), tensors)  # unpack alone does not consume the segment
@@ -181,9 +197,9 @@ def test_cleanup_is_scoped_to_its_prefix() -> None:
 def _child(conn: mp.connection.Connection, prefix: str, seed: int, stay: bool) -> None:
     """Pack, hand the bundle over as a message (bytes, never pickle), exit or wait to be killed."""
     bundle = ts.pack(make_tensors(seed), ts.process_prefix(prefix))
-    msg = Prepared(
-        uid=f"u{seed}", state=bundle, meta={"seed": seed}, preprocess_ms=0, pid=os.getpid()
-    )
+    meta = InputsMeta(uid=f"u{seed}", request=PARAMS, image_mode="RGB", height=8, width=8,
+                      notes=RequestNotes())  # fmt: skip
+    msg = Prepared(uid=f"u{seed}", state=bundle, meta=meta, preprocess_ms=0, pid=os.getpid())
     conn.send_bytes(encode(msg))
     if stay:
         time.sleep(60)  # the parent SIGKILLs us here

@@ -12,7 +12,7 @@ cache); otherwise it runs "full". A full run of a template's capture spec record
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from instgenie.engine.sizing import pixel_hint, resolve_limits, working_size
 from instgenie.engine.step_pricing import StepPricer
 from instgenie.engine.templates import TemplateRecord, TemplateSpec, template_key
 from instgenie.errors import TooManyPixelsError, ValidationError
+from instgenie.messages import CacheOutcome, Path, Tier
 from instgenie.scheduler.fits import Profile
 from instgenie.scheduler.step import GraphUse, StepPlan, members_of
 
@@ -53,12 +54,12 @@ class EditResult:
     #: fraction of the image's pixels marked for editing
     mask_ratio: float
     num_steps: int
-    #: "masked" or "full"
-    path: str
-    #: "hit" (read a template cache), "miss" (template given, cache not usable), None (no template)
-    cache: str | None
+    #: MASKED or FULL
+    path: Path
+    #: HIT (read a template cache), MISS (template given, cache not usable), None (no template)
+    cache: CacheOutcome | None
     #: on a hit: the tier the cache was read from (cache.store.tier_of), else None
-    cache_tier: str | None = None
+    cache_tier: Tier | None = None
     #: why an edit of a template took the full path (select_path), else None
     fallback_reason: str | None = None
 
@@ -216,7 +217,7 @@ class EditPipeline:
         """Pre-process the capture run of a registered template (no store access: in a worker
         this runs in the pre-processing process, the writer is attached in the loop)."""
         state = self.encode_inputs(self.capture_inputs(key))
-        state.extras["capture_key"] = key
+        state.notes = replace(state.notes, capture_key=key)
         return state
 
     def capture_inputs(self, key: str) -> DecodedInputs:
@@ -304,35 +305,37 @@ class EditPipeline:
 
     def select_path(self, state: RequestState, key: str) -> None:
         """Masked path if the template's cache is ready and structurally matches the edit;
-        otherwise the full path, with why in `extras["fallback_reason"]` (see `mismatch`)."""
-        state.extras["cache"] = "miss"
+        otherwise the full path, with why in `notes.fallback_reason` (see `mismatch`)."""
+        state.notes = replace(state.notes, cache=CacheOutcome.MISS)
         status = self.store.status(key)
         if status != "ready":
-            state.extras["fallback_reason"] = f"the template's cache is not ready ({status})"
+            why = f"the template's cache is not ready ({status})"
+            state.notes = replace(state.notes, fallback_reason=why)
             return
         try:
             meta = self.store.meta(key)
         except CacheMiss:  # deleted since the status check
-            state.extras["fallback_reason"] = "the template's cache was dropped"
+            state.notes = replace(state.notes, fallback_reason="the template's cache was dropped")
             return
         masks = self.family.token_masks(pixel_mask_tensor(state.mask))
         why = mismatch(meta, state, masks)
         if why is not None:
-            state.extras["fallback_reason"] = why
+            state.notes = replace(state.notes, fallback_reason=why)
             return
         tier = tier_of(self.store, key)  # before open: which tier served it (open may promote)
         try:
             handle = self.store.open(key)
         except CacheMiss:  # evicted, or a corrupt/missing disk entry: recompute in full
-            state.extras["fallback_reason"] = "the template's cache was evicted or is unreadable"
+            why = "the template's cache was evicted or is unreadable"
+            state.notes = replace(state.notes, fallback_reason=why)
             return
         # a handle that knows its tier says it (a device-tier copy that finished meanwhile)
         tier = getattr(handle, "tier", tier)
-        state.path, state.cache_key, state.cache_meta = "masked", key, meta
+        state.path, state.cache_key, state.cache_meta = Path.MASKED, key, meta
         state.cache_handle = handle
         state.token_index = {L: m.nonzero().squeeze(1) for L, m in masks.items()}
         state.edit_mask = self.family.edit_mask(masks, state)
-        state.extras["cache"], state.extras["cache_tier"] = "hit", tier
+        state.notes = replace(state.notes, cache=CacheOutcome.HIT, cache_tier=Tier.named(tier))
 
     # ---- denoise -------------------------------------------------------------------------------
     def prepare_reads(self, batch: Sequence[RequestState]) -> None:
@@ -392,7 +395,7 @@ class EditPipeline:
             else:
                 state.writer.abort()
             if getattr(state.writer, "lost", False):  # another process captures this key
-                state.extras["capture_lost_race"] = True
+                state.notes = replace(state.notes, capture_lost_race=True)
             state.writer = None
         if state.cache_handle is not None:
             state.cache_handle.close()
@@ -423,9 +426,9 @@ class EditPipeline:
             mask_ratio=mask_ratio(mask),
             num_steps=state.num_steps,
             path=state.path,
-            cache=state.extras.get("cache"),
-            cache_tier=state.extras.get("cache_tier"),
-            fallback_reason=state.extras.get("fallback_reason"),
+            cache=state.notes.cache,
+            cache_tier=state.notes.cache_tier,
+            fallback_reason=state.notes.fallback_reason,
         )
 
     # ---- convenience ---------------------------------------------------------------------------

@@ -8,12 +8,13 @@ requests at different step indices, with different step counts, templates, masks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from PIL import Image
 
+from instgenie.cache.store import CacheWriter, TemplateHandle, TemplateMeta
 from instgenie.engine.imageio import ImageInput
+from instgenie.messages import Path, RequestNotes
 
 
 @dataclass(frozen=True)
@@ -73,20 +74,28 @@ class RequestState:
     original_image: Image.Image | None = None
     original_mask: Image.Image | None = None
     step_index: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
+    #: what the stages learn on the way (cache outcome, capture run, stage times); it travels
+    #: with the state (worker.codec); frozen: a stage records with dataclasses.replace
+    notes: RequestNotes = field(default_factory=RequestNotes)
+    #: the working size (height, width) in pixels, where the family needs it after prepare
+    #: (Flux unpacks its latents with it); None for the UNet families
+    size: tuple[int, int] | None = None
+    #: positional ids the backbone takes beside the latents, shared by all rows, on the model's
+    #: device (Flux: "txt_ids" (T, 3), "img_ids" (L, 3)); empty for the UNet families
+    ids: dict[str, torch.Tensor] = field(default_factory=dict)
     # ---- mask-aware execution (set by the pipeline's path selection) ----
-    #: "masked" (computes its masked tokens, the rest from cache_key's template) or "full"
-    path: str = "full"
+    #: MASKED (computes its masked tokens, the rest from cache_key's template) or FULL
+    path: Path = Path.FULL
     #: template cache this request reads (key, open handle, its meta); None on the full path
     cache_key: str | None = None
-    cache_handle: Any = None
-    cache_meta: Any = None
+    cache_handle: TemplateHandle | None = None
+    cache_meta: TemplateMeta | None = None
     #: {L: int64 indices of the request's masked tokens at the resolution with L tokens} (CPU)
     token_index: dict[int, torch.Tensor] | None = None
     #: bool, broadcastable to `latents`: True where the latents are edited (computed)
     edit_mask: torch.Tensor | None = None
     #: capture sink: this (full) run records its block outputs and latents
-    writer: Any = None
+    writer: CacheWriter | None = None
 
     @property
     def num_steps(self) -> int:

@@ -22,12 +22,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from instgenie.messages import Stage
 from instgenie.server.errors import ApiError
-from instgenie.server.state_db import StateDB, StateDBError, StoredJob
+from instgenie.server.state_db import JobState, StateDB, StateDBError, StoredJob
 
 log = logging.getLogger("instgenie.server")
 
-TERMINAL = ("done", "failed", "cancelled")
+TERMINAL = (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
 #: the error of a job that was queued or running when the server stopped
 INTERRUPTED = {
     "code": "interrupted",
@@ -35,9 +36,9 @@ INTERRUPTED = {
 }
 
 
-def terminal_data(job_id: str, status: str, result: dict | None, error: dict | None) -> dict:
+def terminal_data(job_id: str, status: JobState, result: dict | None, error: dict | None) -> dict:
     """The data of a job's terminal event (SSE): the result without its image, or the error."""
-    if status == "done":
+    if status == JobState.DONE:
         summary = {k: v for k, v in (result or {}).items() if k != "image"}
         return {"result": summary, "href": f"/v1/jobs/{job_id}"}
     return {"error": error}
@@ -47,17 +48,17 @@ def terminal_data(job_id: str, status: str, result: dict | None, error: dict | N
 class Job:
     id: str
     created: float = field(default_factory=time.time)  # unix s
-    status: str = "queued"  # "queued" | "running" | "done" | "failed" | "cancelled"
+    status: JobState = JobState.QUEUED
     step: int = 0  # denoise steps done
     num_steps: int | None = None  # steps it will run, once known
-    #: the stage it is in on its worker: "preprocess" | "encode" | "denoise" | "decode" |
-    #: "postprocess"; None while queued
-    stage: str | None = None
+    #: the stage it is in on its worker; None while queued
+    stage: Stage | None = None
     result: dict | None = None  # the edit response (status done)
     error: dict | None = None  # {"code", "message", "field"?} (status failed/cancelled)
     finished: float | None = None  # unix s
     finished_mono: float | None = None  # monotonic s, for the TTL
-    events: list[tuple[str, dict]] = field(default_factory=list)  # (event name, data)
+    #: (event name, data): a JobState's value when it enters it, else "stage" or "step"
+    events: list[tuple[str, dict]] = field(default_factory=list)
     task: asyncio.Task | None = None
     finishing: bool = False  # its terminal state is being committed (JobTable.finish)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -69,26 +70,26 @@ class Job:
     def push(self, event: str, data: dict) -> None:
         if self.is_finished:
             return
-        if event in ("queued", "running", *TERMINAL):
-            self.status = event
+        if event in JobState._value2member_map_:
+            self.status = JobState(event)
         if event in TERMINAL:
             self.finished, self.finished_mono = time.time(), time.monotonic()
         self.events.append((event, data))
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    def enter(self, stage: str) -> None:
+    def enter(self, stage: Stage) -> None:
         """Its worker reports it entered `stage` (the first report makes it running)."""
         if self.is_finished or stage == self.stage:
             return
         self.stage = stage
-        if self.status == "queued":
-            self.push("running", {"stage": stage})
+        if self.status == JobState.QUEUED:
+            self.push(JobState.RUNNING.value, {"stage": stage.value})
         else:
-            self.push("stage", {"stage": stage})
+            self.push("stage", {"stage": stage.value})
 
     def progress(self, step: int, num_steps: int) -> None:
-        self.enter("denoise")
+        self.enter(Stage.DENOISE)
         if step > self.step:
             self.step, self.num_steps = step, num_steps
             self.push("step", {"step": step, "num_steps": num_steps})
@@ -107,10 +108,10 @@ class Job:
         return {
             "id": self.id,
             "object": "edit.job",
-            "status": self.status,
+            "status": self.status.value,
             "created": int(self.created),
             "finished": int(self.finished) if self.finished is not None else None,
-            "stage": None if self.is_finished else self.stage,
+            "stage": None if self.is_finished or self.stage is None else self.stage.value,
             "progress": {"step": self.step, "num_steps": self.num_steps},
             "result": self.result,
             "error": self.error,
@@ -145,8 +146,8 @@ class JobTable:
             if not job.is_finished or job.finished is None:  # (not written by this code)
                 continue
             job.finished_mono = mono - max(0.0, wall - job.finished)
-            job.events.append((job.status, terminal_data(job.id, job.status, job.result,
-                                                          job.error)))  # fmt: skip
+            job.events.append((job.status.value, terminal_data(job.id, job.status, job.result,
+                                                                job.error)))  # fmt: skip
             self.jobs[job.id] = job
         self.purge()
         finished = [j.id for j in self.jobs.values()]
@@ -164,7 +165,7 @@ class JobTable:
             log.error("job %s is kept in memory only: %s", job.id, exc)
 
     def finish(
-        self, job: Job, status: str, *, result: dict | None = None, error: dict | None = None
+        self, job: Job, status: JobState, *, result: dict | None = None, error: dict | None = None
     ) -> asyncio.Future:
         """Make the job terminal: commit it, then apply status, result/error and the terminal
         event at once. Await the returned future for the state to be visible; cancelling the
@@ -181,7 +182,7 @@ class JobTable:
             if write is not None and write.exception() is not None:
                 log.error("job %s: its end is kept in memory only: %s", job.id, write.exception())
             job.result, job.error = result, error
-            job.push(status, terminal_data(job.id, status, result, error))
+            job.push(status.value, terminal_data(job.id, status, result, error))
             job.finished = finished  # the time stored
             self._ending.discard(done)
             done.set_result(None)

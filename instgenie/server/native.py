@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from instgenie.messages import Progress, RegisterTemplate
 from instgenie.server.errors import CANCELLED, CLIENT_DISCONNECTED, ApiError, printable
-from instgenie.server.jobs import Job
+from instgenie.server.jobs import Job, JobState
 from instgenie.server.runtime import EditSpec, Runtime
 from instgenie.server.schemas import (
     ERRORS,
@@ -253,9 +253,9 @@ async def create_edit(
             rt.jobs.forget(job.id)
             raise
         ahead = rt.dispatcher.waiting.index(ticket) if ticket.waiter is not None else 0
-        job.push("queued", {"position": ahead})
+        job.push(JobState.QUEUED.value, {"position": ahead})
         if ticket.waiter is not None:  # each move of the server queue: a new "queued" event
-            ticket.on_position = lambda ahead: job.push("queued", {"position": ahead})
+            ticket.on_position = lambda ahead: job.push(JobState.QUEUED.value, {"position": ahead})
         job.task = asyncio.create_task(_run_job(rt, job, ticket, spec))
         await rt.jobs.save(job)  # stored (queued) before the answer
         return JSONResponse(job.view(), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
@@ -269,7 +269,7 @@ async def create_edit(
 
 async def _run_job(rt: Runtime, job: Job, ticket, spec: EditSpec) -> None:
     def on_progress(p: Progress) -> None:
-        if p.stage:
+        if p.stage is not None:
             job.enter(p.stage)
         else:
             job.progress(p.step, p.num_steps)
@@ -280,18 +280,18 @@ async def _run_job(rt: Runtime, job: Job, ticket, spec: EditSpec) -> None:
     except asyncio.CancelledError:  # DELETE /v1/jobs/{id}, or the server stopping (then the
         # job is already failed "interrupted" and this finish is a no-op)
         error = {"code": "cancelled", "message": "cancelled by DELETE /v1/jobs/{id}"}
-        await rt.jobs.finish(job, "cancelled", error=error)
+        await rt.jobs.finish(job, JobState.CANCELLED, error=error)
         return
     except ApiError as exc:
         error = {"code": exc.code, "message": exc.message, "field": exc.field}
-        await rt.jobs.finish(job, "failed", error=error)
+        await rt.jobs.finish(job, JobState.FAILED, error=error)
         return
     except Exception as exc:  # a bug: the job fails, the server goes on
         log.exception("job %s failed", job.id)
         error = {"code": "internal_error", "message": f"internal error ({type(exc).__name__})"}
-        await rt.jobs.finish(job, "failed", error=error)
+        await rt.jobs.finish(job, JobState.FAILED, error=error)
         return
-    await rt.jobs.finish(job, "done", result=result)
+    await rt.jobs.finish(job, JobState.DONE, result=result)
 
 
 @router.get(

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,18 @@ class StoredTemplate:
     created: float  # unix s
 
 
+class JobState(StrEnum):  # an async job's status (the API's "status", the jobs.status column)
+    QUEUED = "queued"  # accepted, waiting for a worker
+    RUNNING = "running"  # its worker reported a first stage
+    DONE = "done"  # terminal: result kept until its TTL
+    FAILED = "failed"  # terminal: error kept (also a job the server stopped under: interrupted)
+    CANCELLED = "cancelled"  # terminal: DELETE /v1/jobs/{id}
+
+
 @dataclass(frozen=True)
 class StoredJob:
     id: str
-    status: str
+    status: JobState
     created: float  # unix s
     finished: float | None  # unix s
     step: int
@@ -222,7 +231,14 @@ class StateDB:
         )
         return [
             StoredJob(
-                jid, status, created, finished, step, num_steps, _loads(result), _loads(error)
+                jid,
+                JobState(status),
+                created,
+                finished,
+                step,
+                num_steps,
+                _loads(result),
+                _loads(error),
             )
             for jid, status, created, finished, step, num_steps, result, error in rows
         ]
@@ -231,8 +247,8 @@ class StateDB:
         with self._txn() as c:
             c.execute(
                 "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (j.id, j.status, j.created, j.finished, j.step, j.num_steps, _dumps(j.result),
-                 _dumps(j.error)),
+                (j.id, j.status.value, j.created, j.finished, j.step, j.num_steps,
+                 _dumps(j.result), _dumps(j.error)),
             )  # fmt: skip
 
     def delete_jobs(self, ids: list[str]) -> None:

@@ -122,7 +122,7 @@ class Batcher:
                 policy=self.policy.name,
                 graph=costliest_mode(graphs.counters, before),
                 tiers=dict(
-                    Counter(s.extras["cache_tier"] for s in stepped if s.extras.get("cache_tier"))
+                    Counter(s.notes.cache_tier.value for s in stepped if s.notes.cache_tier)
                 ),  # fmt: skip
             )
         )

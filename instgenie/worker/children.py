@@ -34,6 +34,7 @@ from instgenie.messages import (
     Message,
     Prepared,
     RegisterTemplate,
+    Stage,
     SubmitEdit,
     TemplateReady,
     TensorBundle,
@@ -138,7 +139,7 @@ class ChildProcesses:
             flight.stage, flight.holder = ("loop" if self.inline else "pre"), target
             target.holding.add(flight.uid)
             self.send(target, flight.msg)
-            self.stage_report(flight, "preprocess")
+            self.stage_report(flight, Stage.PREPROCESS)
         while self.to_loop and loop.ready:
             msg = self.to_loop.popleft()
             self._hand_over(loop, msg)

@@ -1,16 +1,16 @@
-"""RequestState <-> (CPU tensors, JSON-able meta): how a request crosses process boundaries.
+"""RequestState <-> (CPU tensors, typed meta): how a request crosses process boundaries.
 
-Tensors go into a shared-memory bundle (instgenie.tensorshm); the meta dict travels in the
-msgpack message. With `model_stages="loop"` a request crosses as decoded inputs (pre -> loop,
-`inputs_to_parts`) and its finished state carries the VAE-decoded image (loop -> post,
-`to_parts(decoded=...)`). Images travel as uint8 arrays (decoded once, in pre-processing). Only the
-loop holds device tensors; `from_parts` moves the denoising tensors to the given device.
+Tensors go into a shared-memory bundle (instgenie.tensorshm); the meta (messages.InputsMeta,
+messages.StateMeta) travels in the msgpack message. With `model_stages="loop"` a request crosses
+as decoded inputs (pre -> loop, `inputs_to_parts`) and its finished state carries the VAE-decoded
+image (loop -> post, `to_parts(decoded=...)`). Images travel as uint8 arrays (decoded once, in
+pre-processing). Only the loop holds device tensors; `from_parts` moves the denoising tensors to
+the given device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 import torch
@@ -18,12 +18,19 @@ from PIL import Image
 
 from instgenie.engine.pipeline import DecodedInputs
 from instgenie.engine.request import EditRequest, RequestState
+from instgenie.messages import EditParams, InputsMeta, RequestNotes, StateMeta
 
 #: tensors a finished request needs in post-processing (cond is dropped after the last step)
 _POST_SKIP = ("cond.",)
-_REQUEST_FIELDS = [
-    f.name for f in dataclasses.fields(EditRequest) if f.name not in ("image", "mask")
-]
+_PARAMS = [f.name for f in dataclasses.fields(EditParams)]  # = EditRequest's, less image, mask
+
+
+def _params(req: EditRequest) -> EditParams:
+    return EditParams(**{k: getattr(req, k) for k in _PARAMS})
+
+
+def _request(p: EditParams) -> EditRequest:
+    return EditRequest(image=None, mask=b"", **{k: getattr(p, k) for k in _PARAMS})
 
 
 def _img(img: Image.Image | None) -> torch.Tensor | None:
@@ -35,41 +42,40 @@ def _pil(t: torch.Tensor, mode: str) -> Image.Image:
 
 
 def inputs_to_parts(
-    uid: str, inputs: DecodedInputs, extras: dict[str, Any]
-) -> tuple[dict[str, torch.Tensor], dict]:
+    uid: str, inputs: DecodedInputs, notes: RequestNotes
+) -> tuple[dict[str, torch.Tensor], InputsMeta]:
     """Decoded, validated inputs (pre-processing's CPU half) as CPU tensors and meta."""
     tensors = {"image": _img(inputs.image), "mask": _img(inputs.mask)}
     if inputs.work_image is not inputs.image:
         tensors["work_image"] = _img(inputs.work_image)
         tensors["work_mask"] = _img(inputs.work_mask)
-    meta = {
-        "uid": uid, "inputs": True, "image_mode": inputs.image.mode,
-        "request": {k: getattr(inputs.request, k) for k in _REQUEST_FIELDS},
-        "height": inputs.height, "width": inputs.width, "extras": extras,
-    }  # fmt: skip
+    meta = InputsMeta(
+        uid=uid, request=_params(inputs.request), image_mode=inputs.image.mode,
+        height=inputs.height, width=inputs.width, notes=notes,
+    )  # fmt: skip
     return tensors, meta
 
 
 def inputs_from_parts(
-    tensors: dict[str, torch.Tensor], meta: dict
-) -> tuple[str, DecodedInputs, dict[str, Any]]:
-    """The inverse of `inputs_to_parts`: (uid, inputs, extras)."""
-    req = EditRequest(image=None, mask=b"", **meta["request"])
-    image, mask = _pil(tensors["image"], meta["image_mode"]), _pil(tensors["mask"], "L")
+    tensors: dict[str, torch.Tensor], meta: InputsMeta
+) -> tuple[str, DecodedInputs, RequestNotes]:
+    """The inverse of `inputs_to_parts`: (uid, inputs, notes)."""
+    req = _request(meta.request)
+    image, mask = _pil(tensors["image"], meta.image_mode), _pil(tensors["mask"], "L")
     work_image, work_mask = image, mask
     if "work_image" in tensors:
-        work_image = _pil(tensors["work_image"], meta["image_mode"])
+        work_image = _pil(tensors["work_image"], meta.image_mode)
         work_mask = _pil(tensors["work_mask"], "L")
-    inputs = DecodedInputs(req, image, mask, work_image, work_mask, meta["height"], meta["width"])
-    return meta["uid"], inputs, dict(meta["extras"])
+    inputs = DecodedInputs(req, image, mask, work_image, work_mask, meta.height, meta.width)
+    return meta.uid, inputs, meta.notes
 
 
 def to_parts(
     state: RequestState, *, for_post: bool = False, decoded: Image.Image | None = None
-) -> tuple[dict[str, torch.Tensor], dict]:
+) -> tuple[dict[str, torch.Tensor], StateMeta]:
     """Split a state (before or after denoising) into CPU tensors and meta; `decoded`: its
     VAE-decoded image (then post-processing needs no model)."""
-    tensors: dict[str, torch.Tensor] = {
+    tensors: dict[str, torch.Tensor | None] = {
         "latents": state.latents,
         "timesteps": state.timesteps,
         "sigmas": state.sigmas,
@@ -84,41 +90,31 @@ def to_parts(
         tensors.update({f"cond.{k}": v for k, v in state.cond.items()})
     if decoded is not None:
         tensors["decoded"] = _img(decoded)
-    extras: dict[str, Any] = {}
-    for k, v in state.extras.items():
-        if isinstance(v, torch.Tensor):
-            tensors[f"extra.{k}"] = v
-        else:
-            extras[k] = list(v) if isinstance(v, tuple) else v
-    tensors = {k: v.detach().to("cpu") for k, v in tensors.items() if v is not None}
-    meta = {
-        "uid": state.uid,
-        "request": {k: getattr(state.request, k) for k in _REQUEST_FIELDS},
-        "guidance_scale": state.guidance_scale,
-        "num_rows": state.num_rows,
-        "step_index": state.step_index,
-        "path": state.path,
-        "extras": extras,
-        "image_mode": state.image.mode,
-    }
-    if decoded is not None:
-        meta["decoded_mode"] = decoded.mode
-    return tensors, meta
+    tensors.update({f"ids.{k}": v for k, v in state.ids.items()})
+    cpu = {k: v.detach().to("cpu") for k, v in tensors.items() if v is not None}
+    meta = StateMeta(
+        uid=state.uid,
+        request=_params(state.request),
+        guidance_scale=state.guidance_scale,
+        num_rows=state.num_rows,
+        step_index=state.step_index,
+        path=state.path,
+        image_mode=state.image.mode,
+        notes=state.notes,
+        size=state.size,
+        decoded_mode=None if decoded is None else decoded.mode,
+    )
+    return cpu, meta
 
 
-def from_parts(tensors: dict[str, torch.Tensor], meta: dict, device: torch.device) -> RequestState:
+def from_parts(
+    tensors: dict[str, torch.Tensor], meta: StateMeta, device: torch.device
+) -> RequestState:
     """Rebuild a state; denoising tensors go to `device`, tables and images stay on the CPU."""
-    req = EditRequest(image=None, mask=b"", **meta["request"])
     dev = {k: v.to(device) for k, v in tensors.items() if k in ("latents", "latent_mask")}
-    extras = dict(meta["extras"])
-    if "size" in extras:
-        extras["size"] = tuple(extras["size"])
-    for k, v in tensors.items():
-        if k.startswith("extra."):
-            extras[k.removeprefix("extra.")] = v.to(device)
     state = RequestState(
-        uid=meta["uid"],
-        request=req,
+        uid=meta.uid,
+        request=_request(meta.request),
         latents=dev["latents"],
         cond={
             k.removeprefix("cond."): v.to(device)
@@ -127,21 +123,27 @@ def from_parts(tensors: dict[str, torch.Tensor], meta: dict, device: torch.devic
         },  # fmt: skip
         timesteps=tensors["timesteps"],
         sigmas=tensors["sigmas"],
-        guidance_scale=float(meta["guidance_scale"]),
-        num_rows=int(meta["num_rows"]),
-        image=_pil(tensors["image"], meta["image_mode"]),
+        guidance_scale=meta.guidance_scale,
+        num_rows=meta.num_rows,
+        image=_pil(tensors["image"], meta.image_mode),
         mask=_pil(tensors["mask"], "L"),
         latent_mask=dev["latent_mask"],
-        step_index=int(meta["step_index"]),
-        extras=extras,
-        path=meta["path"],
+        step_index=meta.step_index,
+        notes=meta.notes,
+        size=meta.size,
+        ids={
+            k.removeprefix("ids."): v.to(device) for k, v in tensors.items() if k.startswith("ids.")
+        },
+        path=meta.path,
     )
     if "original_image" in tensors:
-        state.original_image = _pil(tensors["original_image"], meta["image_mode"])
+        state.original_image = _pil(tensors["original_image"], meta.image_mode)
         state.original_mask = _pil(tensors["original_mask"], "L")
     return state
 
 
-def decoded_image(tensors: dict[str, torch.Tensor], meta: dict) -> Image.Image | None:
+def decoded_image(tensors: dict[str, torch.Tensor], meta: StateMeta) -> Image.Image | None:
     """The VAE-decoded image a finished state carries (`to_parts(decoded=...)`), else None."""
-    return _pil(tensors["decoded"], meta["decoded_mode"]) if "decoded" in tensors else None
+    if "decoded" not in tensors or meta.decoded_mode is None:
+        return None
+    return _pil(tensors["decoded"], meta.decoded_mode)

@@ -37,6 +37,7 @@ from instgenie.messages import (
     DropTemplate,
     EditFailed,
     Finished,
+    InputsMeta,
     LoopSteps,
     Message,
     Ping,
@@ -44,6 +45,7 @@ from instgenie.messages import (
     Prepared,
     Progress,
     RegisterTemplate,
+    Stage,
     StopProcess,
     SubmitEdit,
     TemplateReady,
@@ -139,21 +141,21 @@ class Loop:
                 return
             try:
                 tensors = unpack(msg.state, unlink=True)
-                if msg.meta.get("inputs"):  # model_stages="loop": encode here
-                    self._stage(msg.uid, "encode")
+                if isinstance(msg.meta, InputsMeta):  # model_stages="loop": encode here
+                    self._stage(msg.uid, Stage.ENCODE)
                     with self.rt.doing("encode"):
                         state = self.encode(tensors, msg.meta)
                 else:
                     state = from_parts(tensors, msg.meta, self.device)
             except Exception as e:
                 release(msg.state)
-                self._refuse(msg.uid, msg.meta.get("extras", {}).get("template_id"), e)
+                self._refuse(msg.uid, msg.meta.notes.template_id, e)
                 return
             try:
                 self.admit(state)
             except Exception as e:  # e.g. its cache could not be opened: it fails alone
                 self.pipe.release(state)
-                self._refuse(state.uid, state.extras.get("template_id"), e)
+                self._refuse(state.uid, state.notes.template_id, e)
         elif isinstance(msg, Abort):
             self.batcher.abort(msg.uid)
         elif isinstance(msg, DropTemplate):
@@ -167,14 +169,14 @@ class Loop:
         elif self.inline is not None:
             self.handle_inline(msg)
 
-    def encode(self, tensors: dict[str, torch.Tensor], meta: dict) -> RequestState:
+    def encode(self, tensors: dict[str, torch.Tensor], meta: InputsMeta) -> RequestState:
         """Pre-processing's model half for decoded inputs (prompt and VAE encode, noise)."""
         t0 = time.perf_counter()
-        uid, inputs, extras = inputs_from_parts(tensors, meta)
+        uid, inputs, notes = inputs_from_parts(tensors, meta)
         faults.slow_encode(inputs.request.prompt)
         state = self.pipe.encode_inputs(inputs)
         state.uid = uid
-        state.extras.update(extras, encode_ms=1e3 * (time.perf_counter() - t0))
+        state.notes = dataclasses.replace(notes, encode_ms=1e3 * (time.perf_counter() - t0))
         return state
 
     def handle_inline(self, msg: Message) -> None:
@@ -202,9 +204,10 @@ class Loop:
     def admit(self, state: RequestState) -> None:
         """Into the waiting queue: edits on a template pick their path against this process's
         store; a capture run gets its cache writer (or is answered at once if the cache exists)."""
-        key = state.extras.get("capture_key")
+        key = state.notes.capture_key
         if key is not None:
-            template = state.extras["template_id"]
+            template = state.notes.template_id
+            assert template is not None  # a capture run names its template (Stages.build)
             status = self.pipe.store.status(key)
             # every template this loop answers for is recorded, also one whose cache it finds
             # ready (built by another worker of the host, or by a previous run on the same cache
@@ -238,14 +241,15 @@ class Loop:
             joined = self.joined_at.pop(s.uid, None)
             denoise_ms = 0.0 if joined is None else 1e3 * (now - joined)
             pre_ms = self.pre_ms.pop(s.uid, 0.0)
-            if "capture_key" in s.extras:
-                key = s.extras["capture_key"]
+            if s.notes.capture_key is not None:
+                key, template = s.notes.capture_key, s.notes.template_id
+                assert template is not None  # a capture run names its template (Stages.build)
                 status = self.pipe.store.status(key)
-                if r.error is None and s.extras.get("capture_lost_race") and status == "building":
-                    self.awaiting[key] = (s.extras["template_id"], None)
+                if r.error is None and s.notes.capture_lost_race and status == "building":
+                    self.awaiting[key] = (template, None)
                     continue
                 why = r.error[1] if r.error else "" if status == "ready" else "not committed"
-                self.template_ready(s.extras["template_id"], key, why)
+                self.template_ready(template, key, why)
             elif r.error is not None:
                 code, message = r.error
                 self.rt.send(EditFailed(uid=s.uid, code=code, message=message, retryable=False))
@@ -327,7 +331,7 @@ class Loop:
             if not finished:
                 return
             for state, _ in finished:
-                self._stage(state.uid, "decode")
+                self._stage(state.uid, Stage.DECODE)
         images: list[Image.Image | None] = [None] * len(finished)
         if self.decode_here:
             t0 = time.perf_counter()
@@ -341,7 +345,7 @@ class Loop:
             if self.decode_here and img is None:
                 continue  # failed alone (_decode_one answered)
             if img is not None:
-                state.extras["decode_ms"] = ms
+                state.notes = dataclasses.replace(state.notes, decode_ms=ms)
             try:
                 tensors, meta = to_parts(state, for_post=True, decoded=img)
                 bundle = pack(tensors, self.rt.shm_prefix)  # OSError when /dev/shm is full
@@ -372,14 +376,14 @@ class Loop:
         self.rt.send(dataclasses.replace(done, preprocess_ms=pre_ms, denoise_ms=denoise_ms))
 
     # ---- report ---------------------------------------------------------------------------------
-    def _stage(self, uid: str, stage: str) -> None:
+    def _stage(self, uid: str, stage: Stage) -> None:
         """Tell the client (through the supervisor) that request `uid` entered `stage`."""
         if not uid.startswith(CAPTURE_PREFIX):
             self.rt.send(Progress(uid=uid, step=0, num_steps=0, stage=stage))
 
     def _progress(self, states: list[RequestState]) -> None:
         for s in states:
-            if "capture_key" not in s.extras:
+            if s.notes.capture_key is None:
                 self.rt.send(Progress(uid=s.uid, step=s.step_index, num_steps=s.num_steps))
 
     def log_steps(self) -> None:

@@ -15,8 +15,11 @@ import time
 from instgenie.messages import (
     BuildTemplate,
     DropTemplate,
+    InputsMeta,
     Prepared,
     RegisterTemplate,
+    RequestNotes,
+    StateMeta,
     SubmitEdit,
     TemplateReady,
 )
@@ -26,7 +29,9 @@ from instgenie.worker.codec import inputs_to_parts, to_parts
 from instgenie.worker.stages import Stages, capture_uid, failure
 
 
-def prepared(uid: str, tensors: dict, meta: dict, prefix: str, preprocess_ms: float) -> Prepared:
+def prepared(
+    uid: str, tensors: dict, meta: InputsMeta | StateMeta, prefix: str, preprocess_ms: float
+) -> Prepared:
     """Pack into a new bundle owned by the caller until it is sent."""
     bundle = pack(tensors, prefix)
     return Prepared(uid=uid, state=bundle, meta=meta, preprocess_ms=preprocess_ms,
@@ -46,18 +51,18 @@ def run(rt: ChildRuntime) -> None:
     device = (rt.wcfg.stage_device or rt.config.model.device) if model_here else "cpu"
     stages = Stages(rt.pipeline("stages" if model_here else "none", device))
 
-    def parts(msg: SubmitEdit | BuildTemplate) -> tuple[str, dict, dict]:
+    def parts(msg: SubmitEdit | BuildTemplate) -> tuple[str, dict, InputsMeta | StateMeta]:
         """(uid, tensors, meta) of the request: a prepared state, or decoded inputs."""
         if isinstance(msg, BuildTemplate):
             if model_here:
                 state = stages.build(msg.template_id)
                 return (state.uid, *to_parts(state))
-            inputs, extras = stages.build_inputs(msg.template_id)
+            inputs, notes = stages.build_inputs(msg.template_id)
             uid = capture_uid(msg.template_id)
-            return (uid, *inputs_to_parts(uid, inputs, extras))
+            return (uid, *inputs_to_parts(uid, inputs, notes))
         if model_here:
             return (msg.uid, *to_parts(stages.prepare(msg)))
-        return (msg.uid, *inputs_to_parts(msg.uid, stages.decode(msg), {}))
+        return (msg.uid, *inputs_to_parts(msg.uid, stages.decode(msg), RequestNotes()))
 
     rt.ready()
     while (msg := rt.next_work()) is not None:

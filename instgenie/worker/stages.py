@@ -14,6 +14,7 @@ only ever sees pipeline keys.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from PIL import Image
@@ -23,7 +24,7 @@ from instgenie.engine.pipeline import DecodedInputs, EditPipeline
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.templates import TemplateSpec
 from instgenie.errors import InstGenIEError, ValidationError
-from instgenie.messages import EditDone, EditFailed, RegisterTemplate, SubmitEdit
+from instgenie.messages import EditDone, EditFailed, RegisterTemplate, RequestNotes, SubmitEdit
 from instgenie.worker.names import CAPTURE_PREFIX, capture_uid  # noqa: F401 (re-exported)
 
 
@@ -81,16 +82,17 @@ class Stages:
         return key
 
     def build(self, template_id: str) -> RequestState:
-        """The capture run of a registered template (extras: capture_key, template_id)."""
+        """The capture run of a registered template (notes: capture_key, template_id)."""
         state = self.pipe.prepare_capture(self._key(template_id))
         state.uid = capture_uid(template_id)
-        state.extras["template_id"] = template_id
+        state.notes = dataclasses.replace(state.notes, template_id=template_id)
         return state
 
-    def build_inputs(self, template_id: str) -> tuple[DecodedInputs, dict]:
-        """The decoded inputs of a capture run and its extras (model_stages="loop")."""
+    def build_inputs(self, template_id: str) -> tuple[DecodedInputs, RequestNotes]:
+        """The decoded inputs of a capture run and its notes (model_stages="loop")."""
         key = self._key(template_id)
-        return self.pipe.capture_inputs(key), {"capture_key": key, "template_id": template_id}
+        notes = RequestNotes(capture_key=key, template_id=template_id)
+        return self.pipe.capture_inputs(key), notes
 
     def edit_request(self, msg: SubmitEdit) -> EditRequest:
         template = msg.template_id

@@ -59,6 +59,7 @@ from instgenie.messages import (
     Progress,
     RegisterTemplate,
     Shutdown,
+    Stage,
     Stats,
     StepEntry,
     StepLog,
@@ -444,13 +445,13 @@ class Supervisor(ChildProcesses):
             flight.holder.holding.discard(msg.uid)
         flight.stage, flight.holder, flight.bundle = "post", None, msg.latents
         flight.denoise_ms = msg.denoise_ms
-        extras = msg.meta.get("extras", {})  # model_stages="loop": the loop's encode/decode
-        flight.preprocess_ms += float(extras.get("encode_ms", 0.0))
-        flight.decode_ms = float(extras.get("decode_ms", 0.0))
+        notes = msg.meta.notes  # model_stages="loop": the loop's encode/decode
+        flight.preprocess_ms += notes.encode_ms
+        flight.decode_ms = notes.decode_ms
         self.to_post.append(msg)
-        self.stage_report(flight, "postprocess")
+        self.stage_report(flight, Stage.POSTPROCESS)
 
-    def stage_report(self, flight: Flight, stage: str) -> None:
+    def stage_report(self, flight: Flight, stage: Stage) -> None:
         """Tell the client which stage its request entered (a Progress with `stage`)."""
         self.reply(flight.identity, Progress(uid=flight.client_uid, step=0, num_steps=0,
                                              stage=stage))  # fmt: skip

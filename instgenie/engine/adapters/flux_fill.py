@@ -204,7 +204,8 @@ class FluxFill(AdapterBase):
             image=image,
             mask=mask,
             latent_mask=latent_mask.to(dev),
-            extras={"txt_ids": text_ids, "img_ids": img_ids, "size": (height, width)},
+            size=(height, width),
+            ids={"txt_ids": text_ids, "img_ids": img_ids},
         )
 
     def _image_latents_encoder(self, sched: Any):
@@ -252,8 +253,8 @@ class FluxFill(AdapterBase):
             guidance=cond["guidance"] if self.transformer.config.guidance_embeds else None,
             pooled_projections=cond["pooled_projections"],
             encoder_hidden_states=cond["prompt_embeds"],
-            txt_ids=batch[0].extras["txt_ids"],
-            img_ids=batch[0].extras["img_ids"],
+            txt_ids=batch[0].ids["txt_ids"],
+            img_ids=batch[0].ids["img_ids"],
         )
         new = flow_match_step(out, latents, sig.to(dev), sig_next.to(dev))
         for i, s in enumerate(batch):
@@ -274,7 +275,8 @@ class FluxFill(AdapterBase):
         return masks[L].reshape(1, L, 1).to(self.device)
 
     def decode(self, batch: list[RequestState]) -> list[Image.Image]:
-        height, width = batch[0].extras["size"]
+        assert batch[0].size is not None  # set by prepare
+        height, width = batch[0].size
         latents = torch.cat([s.latents for s in batch])
         latents = self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
