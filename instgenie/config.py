@@ -431,10 +431,12 @@ def dataclass_from_args(cls: type, args: argparse.Namespace, **overrides: typing
     hints = typing.get_type_hints(cls)
     kwargs = {}
     fields = dataclasses.fields(cls)
-    if any(f.metadata.get("env") for f in fields):
+    unset = {f.metadata["env"] for f in fields if f.metadata.get("env") and f.name not in args}
+    if unset:  # a flag given replaces its variable: that one is not even parsed
         from instgenie import env  # the one reader of os.environ
 
-        kwargs.update(env_overrides(cls, env.exec_environ()))
+        environ = {k: v for k, v in env.exec_environ().items() if k in unset}
+        kwargs.update(env_overrides(cls, environ))
     for f in fields:
         if dataclasses.is_dataclass(hints[f.name]) and f.name not in overrides:
             kwargs[f.name] = dataclass_from_args(hints[f.name], args)
