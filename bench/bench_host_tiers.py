@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_masked_step import environment  # noqa: E402
+from bench.bench_masked_step import add_exec_args, environment, exec_config  # noqa: E402
 from instgenie.cache import hostmem  # noqa: E402
 from instgenie.cache.dram import cleanup  # noqa: E402
 from instgenie.cache.host_store import HostActivationStore  # noqa: E402
@@ -103,10 +103,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", default=None, help="fitted profile: the load planner on")
     p.add_argument("--out", default=None)
+    add_exec_args(p)
     args = p.parse_args()
+    execution = exec_config(args)
     dev = torch.device("cuda")
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "host_tiers.json")
-    fam = load_family(args.model, device="cuda")
+    fam = load_family(args.model, device="cuda", execution=execution)
     size = fam.default_size
     root = Path(tempfile.mkdtemp(prefix="igc-bench-"))
     ns = uuid.uuid4().hex[:10]
@@ -118,7 +120,7 @@ def main() -> None:
     ns_disk = uuid.uuid4().hex[:10]
     small = TieredStore(root / "disk", ns_disk, 1 << 30, 60 << 30)
     disk = EditPipeline(fam, store=HostActivationStore(small, root / "disk"))
-    result: dict = {"env": environment(dev), "model": args.model, "size": size,
+    result: dict = {"env": environment(dev, execution), "model": args.model, "size": size,
                     "steps": args.steps, "batch": args.batch, "ratio": args.ratio,
                     "argv": sys.argv, "rows": []}  # fmt: skip
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_masked_step import environment  # noqa: E402
+from bench.bench_masked_step import add_exec_args, environment, exec_config  # noqa: E402
 from instgenie.cache.quant import FP8  # noqa: E402
 from instgenie.cache.store import InMemoryStore  # noqa: E402
 from instgenie.engine.costspec import model_cost_spec  # noqa: E402
@@ -101,12 +101,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="interleaved runs per scheme; median")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
+    add_exec_args(p)
     args = p.parse_args()
+    execution = exec_config(args)
     if args.quick:
         args.ratios, args.steps = [0.2], 3
     dev = torch.device(args.device)
     out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "loading.json")
-    fam = load_family(args.model, device=args.device)
+    fam = load_family(args.model, device=args.device, execution=execution)
     size = fam.default_size
     ideal = EditPipeline(fam, store=InMemoryStore(dev))
     host = EditPipeline(fam, store=InMemoryStore("cpu", pin_memory=True))
@@ -116,8 +118,9 @@ def main() -> None:
         spec = model_cost_spec(fam, str(host.store_dtype()), Profile.load_file(args.profile))
         cost = StepPricer(spec, fam.device)
     ex = fam.masked
-    result = {"env": environment(dev), "model": args.model, "size": size, "steps": args.steps,
-              "dtype": str(fam.dtype), "argv": sys.argv, "rows": [], "fp8": None}  # fmt: skip
+    result = {"env": environment(dev, execution), "model": args.model, "size": size,
+              "steps": args.steps, "dtype": str(fam.dtype), "argv": sys.argv, "rows": [],
+              "fp8": None}  # fmt: skip
     peak = profile_dram_load(dev, [64, 256])
     result["pinned_copy_gbps"] = round(peak[-1][0] / peak[-1][1] / 1e6, 2)
 

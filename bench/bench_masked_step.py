@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -28,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from instgenie.config import ExecConfig, add_dataclass_args, dataclass_from_args  # noqa: E402
 from instgenie.engine import fused_conv, fused_geglu, fused_norms  # noqa: E402
 from instgenie.engine.imageio import encode_image  # noqa: E402
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
@@ -57,11 +59,13 @@ def graphs_mode(pipe: EditPipeline, mode: str):
 
 
 #: the engine's fused-kernel switches (module, class it swaps in) that stock diffusers lacks
-FUSED = (
-    (fused_norms, fused_norms.FusedGroupNorm),
-    (fused_geglu, fused_geglu.FusedGEGLU),
-    (fused_conv, fused_conv.BiasKernelConv2d),
-)
+FUSED = (fused_norms.FusedGroupNorm, fused_geglu.FusedGEGLU, fused_conv.BiasKernelConv2d)
+
+
+def fused_modules(pipe: EditPipeline) -> list:
+    """Every swapped-in module of FUSED in the backbone and the VAE (each has its `mode`)."""
+    parts = [p for p in (pipe.family.backbone, pipe.family.vae) if p is not None]
+    return [m for p in parts for m in p.modules() if isinstance(m, FUSED)]
 
 
 @contextlib.contextmanager
@@ -70,9 +74,10 @@ def stock_ops(pipe: EditPipeline):
     switch in FUSED off), NCHW weights (diffusers' default layout; the engine's UNets are
     channels_last on CUDA). Graphs are cleared on exit (graphs_mode), so none keeps pointers to
     the NCHW copies of the convolution weights."""
-    saved = [mod.MODE for mod, _cls in FUSED]
-    for mod, _cls in FUSED:
-        mod.MODE = "off"
+    swapped = fused_modules(pipe)
+    saved = [m.mode for m in swapped]
+    for m in swapped:
+        m.mode = "off"
     backbone = pipe.family.backbone
     cl = torch.channels_last
     nhwc = any(
@@ -87,8 +92,8 @@ def stock_ops(pipe: EditPipeline):
     finally:
         if nhwc:
             backbone.to(memory_format=torch.channels_last)
-        for (mod, _cls), mode in zip(FUSED, saved, strict=True):
-            mod.MODE = mode
+        for m, mode in zip(swapped, saved, strict=True):
+            m.mode = mode
 
 
 def fused_kernels_active(pipe: EditPipeline, with_vae: bool = False) -> bool:
@@ -96,8 +101,7 @@ def fused_kernels_active(pipe: EditPipeline, with_vae: bool = False) -> bool:
     (else "stock" columns would repeat the eager ones)."""
     parts = [pipe.family.backbone] + ([pipe.family.vae] if with_vae else [])
     return pipe.family.device.type == "cuda" and any(
-        mod.MODE != "off" and any(isinstance(m, cls) for p in parts for m in p.modules())
-        for mod, cls in FUSED
+        isinstance(m, FUSED) and m.mode != "off" for p in parts for m in p.modules()
     )
 
 
@@ -284,7 +288,18 @@ def staged_run(pipe: EditPipeline, req: EditRequest, path: str):
     return t, res.image
 
 
-def environment(device: torch.device) -> dict:
+def add_exec_args(p: argparse.ArgumentParser) -> None:
+    """The execution flags of config.ExecConfig (--attention-backend, --cuda-graphs, ...)."""
+    add_dataclass_args(p, ExecConfig)
+
+
+def exec_config(args: argparse.Namespace) -> ExecConfig:
+    """The run's ExecConfig: the flags given, else their INSTGENIE_* variables (read here, once),
+    else the defaults."""
+    return dataclass_from_args(ExecConfig, args)
+
+
+def environment(device: torch.device, execution: ExecConfig | None = None) -> dict:
     import diffusers
     import transformers
 
@@ -313,6 +328,8 @@ def environment(device: torch.device) -> dict:
             pass
     env["commit"] = commit
     # the engine's switches (kernels, graphs, layouts) this run was made with
+    if execution is not None:
+        env["execution"] = dataclasses.asdict(execution)
     env["flags"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("INSTGENIE_")}
     return env
 
@@ -332,11 +349,17 @@ def main() -> None:
     p.add_argument("--skip-image", action="store_true")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 ratios, batch 1-2, 3 steps")
     p.add_argument("--profile", action="store_true", help="print top kernels at m=0.2, max batch")
-    p.add_argument("--backend", default=None, help="attention backend of the masked path")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="attention backend of the masked path (default: --attention-backend)",
+    )
     p.add_argument("--graph-modes", nargs="+", default=["off", "all"],
                    help="CUDA-graph modes per row; the first gives ms_full, ms_masked")  # fmt: skip
     p.add_argument("--out", default=None)
+    add_exec_args(p)
     args = p.parse_args()
+    execution = exec_config(args)
     if args.quick:
         args.ratios, args.batches, args.warmup, args.iters, args.image_steps = (
             [0.2, 1.0],
@@ -352,11 +375,11 @@ def main() -> None:
         or Path(os.environ.get("OUT", ".")) / f"masked_step_{args.model.replace(':', '_')}.json"
     )
     t0 = time.perf_counter()
-    pipe = EditPipeline.load(args.model, device=args.device, dtype=args.dtype)
+    pipe = EditPipeline.load(args.model, device=args.device, dtype=args.dtype, execution=execution)
     _sync(dev)
     load_s = time.perf_counter() - t0
     size = args.size or pipe.family.default_size
-    result = {"env": environment(dev), "model": args.model, "size": size,
+    result = {"env": environment(dev, execution), "model": args.model, "size": size,
               "dtype": str(pipe.family.dtype), "load_s": round(load_s, 1),
               "argv": sys.argv, "steps": [], "image": None}  # fmt: skip
 
@@ -365,7 +388,7 @@ def main() -> None:
         out_path.write_text(json.dumps(result, indent=1))
 
     print(json.dumps(result["env"]), flush=True)
-    pipe.family.masked.attention_backend = args.backend
+    pipe.family.masked.attention_backend = args.backend or execution.attention_backend
     bench = StepBench.setup(pipe, size)
     if dev.type != "cuda":
         args.graph_modes = ["off"]  # CUDA graphs need CUDA

@@ -24,18 +24,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_masked_step import environment  # noqa: E402
+from bench.bench_masked_step import add_exec_args, environment, exec_config  # noqa: E402
+from instgenie.config import ExecConfig, from_dict, to_dict  # noqa: E402
 from instgenie.engine.imageio import encode_image  # noqa: E402
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.engine.request import EditRequest  # noqa: E402
 from instgenie.engine.stepbench import StepBench, ratio_mask, template_image  # noqa: E402
 
 
-def stage_process(model: str, device: str, size: int, seconds: float) -> None:
+def stage_process(
+    model: str, device: str, size: int, seconds: float, execution: ExecConfig
+) -> None:
     """Child: pre + post back to back for `seconds` after a warm-up; prints one JSON line."""
     from instgenie.engine.family import load_family
 
-    pipe = EditPipeline(load_family(model, device=device, parts="stages"))
+    pipe = EditPipeline(load_family(model, device=device, parts="stages", execution=execution))
     image = encode_image(template_image(size), "png")
     mask = encode_image(ratio_mask(size, size, 0.2, pipe.family.granule), "png")
     pre, post = [], []
@@ -64,9 +67,10 @@ def stage_process(model: str, device: str, size: int, seconds: float) -> None:
                       "post_ms_p50": statistics.median(post)}), flush=True)  # fmt: skip
 
 
-def spawn(args, device: str, seconds: float) -> subprocess.Popen:
+def spawn(args, device: str, seconds: float, execution: ExecConfig) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--stage", device, "--model", args.model,
-           "--size", str(args.size), "--seconds", str(seconds)]  # fmt: skip
+           "--size", str(args.size), "--seconds", str(seconds),
+           "--stage-execution", json.dumps(to_dict(execution))]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
     assert proc.stdout.readline().strip() == "busy"
     return proc
@@ -86,21 +90,25 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # child mode: its device
     p.add_argument("--out", default=None)
+    p.add_argument("--stage-execution", default=None, help=argparse.SUPPRESS)  # child: JSON
+    add_exec_args(p)
     args = p.parse_args()
-    if args.stage:
-        stage_process(args.model, args.stage, args.size, args.seconds)
+    if args.stage:  # the parent's ExecConfig, as a worker's children get theirs
+        execution = from_dict(ExecConfig, json.loads(args.stage_execution))
+        stage_process(args.model, args.stage, args.size, args.seconds, execution)
         return
-    pipe = EditPipeline.load(args.model, device="cuda")
+    execution = exec_config(args)
+    pipe = EditPipeline.load(args.model, device="cuda", execution=execution)
     bench = StepBench.setup(pipe, args.size)
     states = bench.states(0.2, args.batch, masked=True)
-    report: dict = {"environment": environment(pipe.family.device), "args": vars(args)}
+    report: dict = {"environment": environment(pipe.family.device, execution), "args": vars(args)}
     report["step_ms_alone"] = bench.time_ms(states, 3, args.iters)
     for device in ("cuda", "cpu"):
         seconds = args.seconds if device == "cuda" else 3 * args.seconds
-        proc = spawn(args, device, seconds)
+        proc = spawn(args, device, seconds, execution)
         report[f"step_ms_with_{device}_stages"] = bench.time_ms(states, 0, args.iters)
         report[f"stages_on_{device}_with_loop"] = finish(proc)
-    proc = spawn(args, "cuda", args.seconds / 2)
+    proc = spawn(args, "cuda", args.seconds / 2, execution)
     report["stages_on_cuda_alone"] = finish(proc)
     print(json.dumps(report, indent=1))
     if args.out:

@@ -29,7 +29,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_masked_step import environment  # noqa: E402
+from bench.bench_masked_step import add_exec_args, environment, exec_config  # noqa: E402
 from instgenie.engine.family import load_family  # noqa: E402
 from instgenie.engine.imageio import encode_image  # noqa: E402
 from instgenie.engine.request import EditRequest  # noqa: E402
@@ -79,11 +79,13 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="")
+    add_exec_args(ap)
     args = ap.parse_args()
+    execution = exec_config(args)
     dev = torch.device(args.device)
-    fam = load_family(args.model, device=args.device, parts="stages")
+    fam = load_family(args.model, device=args.device, parts="stages", execution=execution)
     pipe, vae = fam.pipe, fam.vae
-    report: dict = {"env": environment(dev), "model": args.model, "size": args.size}
+    report: dict = {"env": environment(dev, execution), "model": args.model, "size": args.size}
     req = EditRequest(uid="b", image=b"", mask=b"", prompt="a red jacket with gold buttons")
 
     # ---- prompt encode (the encoders themselves: prompt cache off), eager and graphed towers ----

@@ -25,7 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_masked_step import environment, graphs_mode  # noqa: E402
+from bench.bench_masked_step import (  # noqa: E402
+    add_exec_args,
+    environment,
+    exec_config,
+    graphs_mode,
+)
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.engine.stepbench import StepBench  # noqa: E402
 
@@ -129,11 +134,13 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     p.add_argument("--skip-stages", action="store_true")
     p.add_argument("--out", default=None)
+    add_exec_args(p)
     args = p.parse_args()
-    pipe = EditPipeline.load(args.model, device=args.device, dtype="auto")
+    execution = exec_config(args)
+    pipe = EditPipeline.load(args.model, device=args.device, dtype="auto", execution=execution)
     size = pipe.family.default_size
     bench = StepBench.setup(pipe, size)
-    result = {"env": environment(pipe.family.device), "model": args.model, "size": size,
+    result = {"env": environment(pipe.family.device, execution), "model": args.model, "size": size,
               "ratio": args.ratio, "argv": sys.argv, "profiles": [], "stages": None}  # fmt: skip
     out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "profile_step.json")
     for batch in args.batches:

@@ -17,6 +17,7 @@ from instgenie.config import (
     WorkerConfig,
     add_dataclass_args,
     dataclass_from_args,
+    to_dict,
 )
 from instgenie.errors import EXIT_MODEL_LOAD, InstGenIEError, ModelLoadError, ValidationError
 from instgenie.logs import quiet_libraries
@@ -78,6 +79,15 @@ def _bench_size(size: int | None, family) -> int:
     return size
 
 
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    """The command's ModelConfig from its flags; its execution settings from the flags given,
+    else their INSTGENIE_* variables (read here, once), else the defaults."""
+    try:
+        return dataclass_from_args(ModelConfig, args)
+    except ValueError as exc:  # the message names the setting (a field or a variable)
+        raise ValidationError("model", str(exc)) from None
+
+
 def _sample_asset(name: str) -> bytes:
     return resources.files("instgenie").joinpath("assets", name).read_bytes()
 
@@ -97,7 +107,7 @@ def cmd_edit(args: argparse.Namespace) -> int:
     from instgenie.engine.pipeline import EditPipeline
     from instgenie.engine.request import EditRequest
 
-    model = dataclass_from_args(ModelConfig, args)
+    model = _model_config(args)
     check_model_config(model)
     limits = LimitsConfig()
     out = Path(args.output)
@@ -153,7 +163,7 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     from instgenie.engine.pipeline import EditPipeline
     from instgenie.engine.stepbench import bench_step
 
-    model = dataclass_from_args(ModelConfig, args)
+    model = _model_config(args)
     check_model_config(model)
     pipe = EditPipeline.load(
         model.model, device=model.device, dtype=model.dtype, **family_options(model)
@@ -173,7 +183,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from instgenie.engine.family import check_model_config
     from instgenie.engine.profiling import r2_report
 
-    model = dataclass_from_args(ModelConfig, args)
+    model = _model_config(args)
     check_model_config(model)
     base = _stages_base(args.output) if args.stages_only else None
     with PendingOutput(Path(args.output)) as pending:  # -o checked before the profiling
@@ -248,6 +258,7 @@ def _profile(args: argparse.Namespace, model: ModelConfig, pending: PendingOutpu
         "command": args.command_line,
         "device": str(fam.device),
         "dtype": dtype,
+        "execution": to_dict(fam.execution),  # the kernels, layout and graphs it was timed with
     }
     if base is not None:
         try:
@@ -286,7 +297,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     try:
         config = Config(
-            model=dataclass_from_args(ModelConfig, args),
+            model=dataclass_from_args(ModelConfig, args),  # execution: flags, else INSTGENIE_*
             limits=dataclass_from_args(LimitsConfig, args),
             worker=dataclass_from_args(WorkerConfig, args),
         )
@@ -306,7 +317,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     def ready(msg) -> None:  # one JSON line on stdout: scripts wait for it
         info = {"event": "ready", "address": sup.address, "pid": msg.pid, "model": msg.model,
-                "device": msg.device, "policy": config.worker.policy}  # fmt: skip
+                "device": msg.device, "policy": config.worker.policy,
+                "execution": to_dict(config.model.execution)}  # fmt: skip
         print(json.dumps(info), flush=True)
 
     try:

@@ -3,6 +3,11 @@
 CLI flags are generated from these dataclass fields (see `add_dataclass_args`), so a field added
 here is a flag everywhere it is exposed, with its `#:` comment as the help text (`field_help`
 reads the comments from the source: they stay the one place a setting is documented).
+
+A field whose metadata names an `env` variable (ExecConfig's) can also be set by that variable:
+a flag given wins, else the variable, else the default. The environment is read when a command
+builds its config from its flags (`dataclass_from_args`, once at start); nothing here or in
+the engine reads it at import or later, and worker processes get the values in their config.
 """
 
 from __future__ import annotations
@@ -16,7 +21,94 @@ import inspect
 import re
 import textwrap
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+#: ExecConfig.attention_backend values (engine/attention.py BACKENDS)
+ATTENTION_BACKENDS = ("auto", "triton", "flash", "sdpa")
+#: ExecConfig.cuda_graphs values (engine/graphs.py MODES)
+GRAPH_MODES = ("all", "masked", "off")
+#: ExecConfig.graph_capture values (engine/graphs.py CAPTURE_POLICIES)
+CAPTURE_POLICIES = ("auto", "always")
+#: ExecConfig.fused_* values (engine/kernels.py kernel_enabled)
+KERNEL_MODES = ("auto", "on", "off")
+
+
+def _switch(default: typing.Any, env: str, choices: tuple[str, ...] | None = None) -> typing.Any:
+    """An ExecConfig field: its environment variable and, for a string, its allowed values."""
+    return field(default=default, metadata={"env": env, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    """How the model executes: attention kernel, memory layout, CUDA graphs, fused kernels. Set
+    once at start (a flag, else its INSTGENIE_* variable, else the default) and fixed for the
+    process; every process of a worker gets it in its config. None of these changes what an edit
+    computes beyond a kernel's documented rounding (decisions 0004, 0011, 0013-0015, 0020)."""
+
+    #: varlen attention of masked steps: "auto" (the Triton kernel on CUDA where Triton works,
+    #: else SDPA) | "triton" | "flash" (flash-attn) | "sdpa" (engine/attention.py); one that
+    #: cannot run on the device fails the model load
+    attention_backend: str = _switch("auto", "INSTGENIE_ATTENTION_BACKEND", ATTENTION_BACKENDS)
+    #: UNets in NHWC (channels_last) on CUDA, kept NHWC through their transformer stacks
+    #: (decision 0004); off: NCHW
+    channels_last: bool = _switch(True, "INSTGENIE_UNET_CHANNELS_LAST")
+    #: which denoising steps replay CUDA graphs: "all" | "masked" (only steps that read a
+    #: template cache) | "off" (also no text-encoder graphs) (engine/graphs.py, decision 0011)
+    cuda_graphs: str = _switch("all", "INSTGENIE_CUDA_GRAPHS", GRAPH_MODES)
+    #: when a step composition is captured: "auto" (only when its measured costs say the graph
+    #: pays before the batch changes) | "always" (every eligible one on its second call)
+    #: (decision 0020)
+    graph_capture: str = _switch("auto", "INSTGENIE_GRAPH_CAPTURE", CAPTURE_POLICIES)
+    #: let cuDNN pick convolution algorithms by timing them (torch.backends.cudnn.benchmark) on
+    #: CUDA; off: its heuristics
+    cudnn_benchmark: bool = _switch(False, "INSTGENIE_CUDNN_BENCHMARK")
+    #: GroupNorm + SiLU as one Triton kernel pair: "auto" (on CUDA) | "on" (also elsewhere, e.g.
+    #: CPU under TRITON_INTERPRET=1) | "off" (torch's ops: stock diffusers) (decision 0013)
+    fused_group_norm: str = _switch("auto", "INSTGENIE_FUSED_GROUPNORM", KERNEL_MODES)
+    #: GEGLU gating (SDXL/SD2 feed-forwards) as one Triton kernel: "auto" (on CUDA) | "on" |
+    #: "off" (torch's chunk, gelu and mul) (decision 0014)
+    fused_geglu: str = _switch("auto", "INSTGENIE_FUSED_GEGLU", KERNEL_MODES)
+    #: Conv2d biases added by a vectorised Triton kernel: "auto" (on CUDA) | "on" | "off"
+    #: (torch's biased convolution) (decision 0015)
+    fused_conv_bias: str = _switch("auto", "INSTGENIE_FUSED_CONV_BIAS", KERNEL_MODES)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if choices is None:
+                if not isinstance(value, bool):
+                    raise ValueError(f"{f.name}: expected true or false, got {value!r}")
+            elif value not in choices:
+                raise ValueError(f"{f.name}: {value!r} is not one of {', '.join(choices)}")
+
+
+#: ExecConfig's defaults (a library caller that passes none: no flag, no environment read)
+EXEC_DEFAULTS = ExecConfig()
+#: the words an environment variable may use for a boolean ExecConfig field
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_overrides(cls: type, environ: Mapping[str, str]) -> dict[str, typing.Any]:
+    """{field: value} for each field of `cls` whose metadata `env` variable is set in `environ`:
+    stripped and lower-cased, a boolean from 1/true/yes/on or 0/false/no/off. ValueError naming
+    the variable for a value the field does not take."""
+    out: dict[str, typing.Any] = {}
+    for f in dataclasses.fields(cls):
+        name = f.metadata.get("env")
+        if name is None or name not in environ:
+            continue
+        text = environ[name].strip().lower()
+        choices = f.metadata.get("choices")
+        if f.type in (bool, "bool"):
+            if text not in _TRUE + _FALSE:
+                raise ValueError(f"{name}={environ[name]!r}: expected 1 or 0 (true/false)")
+            out[f.name] = text in _TRUE
+        elif choices is not None and text not in choices:
+            raise ValueError(f"{name}={environ[name]!r}: expected one of {', '.join(choices)}")
+        else:
+            out[f.name] = text
+    return out
 
 
 @dataclass(frozen=True)
@@ -33,8 +125,10 @@ class ModelConfig:
     #: capacity of each model process's prompt-encoder output cache, bytes; 0 turns it off
     prompt_cache_bytes: int = 256 << 20
     #: replay the text encoders' forward from CUDA graphs on CUDA (prompt-cache misses; decision
-    #: 0022); INSTGENIE_CUDA_GRAPHS=off also turns it off
+    #: 0022); --cuda-graphs off also turns it off
     text_encoder_graphs: bool = True
+    #: how the model executes (kernels, layout, graphs); its fields are flags of their own
+    execution: ExecConfig = field(default_factory=ExecConfig)
 
 
 @dataclass(frozen=True)
@@ -294,7 +388,10 @@ def byte_count(text: str) -> int:
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, skip: tuple = ()) -> None:
     """Add one `--kebab-name` flag per field of dataclass `cls` (defaults from the class, help
     from the field's comment: `field_help`). Integer fields named `*_bytes` take `byte_count`
-    values ("40e9", "8GiB")."""
+    values ("40e9", "8GiB"); a field with `choices` metadata takes only those; a nested config
+    dataclass (ModelConfig.execution) adds the flags of its own fields. A field with an `env`
+    variable has no argparse default (a flag not given leaves it unset: `dataclass_from_args`
+    then takes the variable, else the default, which its help names)."""
     hints = typing.get_type_hints(cls)
     helps = field_help(cls)
     for f in dataclasses.fields(cls):
@@ -303,7 +400,17 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, skip: tupl
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         typ = hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            add_dataclass_args(parser, typ, skip=skip)
+            continue
         text = helps.get(f.name, "").replace("%", "%%") or None  # argparse %-formats help
+        extra: dict[str, typing.Any] = {}
+        if f.metadata.get("choices"):
+            extra["choices"] = f.metadata["choices"]
+        if f.metadata.get("env"):
+            shown = ("on" if default else "off") if typ is bool else default
+            text = f"{text or ''} (default: {shown}; ${f.metadata['env']} overrides the default)"
+            default = argparse.SUPPRESS
         if typ is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=text
@@ -313,14 +420,27 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, skip: tupl
         elif typ is int and f.name.endswith("_bytes"):
             parser.add_argument(flag, type=byte_count, default=default, help=text)
         else:
-            parser.add_argument(flag, type=typ, default=default, help=text)
+            parser.add_argument(flag, type=typ, default=default, help=text, **extra)
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, **overrides: typing.Any):
-    """Build `cls` from the parsed flags that `add_dataclass_args` added."""
+    """Build `cls` from the parsed flags that `add_dataclass_args` added. A field with an `env`
+    variable and no flag given takes the variable's value if it is set (read here, from the
+    process environment: instgenie.env.exec_environ); nested configs are built the same way.
+    ValueError (naming the field or the variable) for a value the config refuses."""
+    hints = typing.get_type_hints(cls)
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if hasattr(args, f.name):
+    fields = dataclasses.fields(cls)
+    unset = {f.metadata["env"] for f in fields if f.metadata.get("env") and f.name not in args}
+    if unset:  # a flag given replaces its variable: that one is not even parsed
+        from instgenie import env  # the one reader of os.environ
+
+        environ = {k: v for k, v in env.exec_environ().items() if k in unset}
+        kwargs.update(env_overrides(cls, environ))
+    for f in fields:
+        if dataclasses.is_dataclass(hints[f.name]) and f.name not in overrides:
+            kwargs[f.name] = dataclass_from_args(hints[f.name], args)
+        elif hasattr(args, f.name):
             value = getattr(args, f.name)
             kwargs[f.name] = tuple(value) if isinstance(value, list) else value
     kwargs.update(overrides)

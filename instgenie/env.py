@@ -1,65 +1,24 @@
 """Environment flags. The only place the package reads os.environ; every name has the INSTGENIE_
-prefix, except the XDG base directory XDG_CACHE_HOME."""
+prefix, except the XDG base directory XDG_CACHE_HOME. Nothing is read at import: each function
+reads when called, and the execution settings only once, at start (`exec_environ`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 
-def attention_backend() -> str:
-    """INSTGENIE_ATTENTION_BACKEND: auto | triton | flash | sdpa (default auto)."""
-    return os.environ.get("INSTGENIE_ATTENTION_BACKEND", "auto").strip().lower()
+def exec_environ() -> dict[str, str]:
+    """The INSTGENIE_* variables that override execution settings (the `env` of each
+    config.ExecConfig field: INSTGENIE_ATTENTION_BACKEND, INSTGENIE_UNET_CHANNELS_LAST,
+    INSTGENIE_CUDA_GRAPHS, INSTGENIE_GRAPH_CAPTURE, INSTGENIE_CUDNN_BENCHMARK,
+    INSTGENIE_FUSED_GROUPNORM, INSTGENIE_FUSED_GEGLU, INSTGENIE_FUSED_CONV_BIAS), those set.
+    Read once, when a command builds its config at start (config.dataclass_from_args); a flag
+    given wins over them. Worker processes get the values in their config, never from here."""
+    from instgenie.config import ExecConfig
 
-
-def unet_channels_last() -> bool:
-    """INSTGENIE_UNET_CHANNELS_LAST: 1 (default) puts UNets in NHWC (channels_last) on CUDA; 0
-    keeps them NCHW (decision 0004)."""
-    flag = os.environ.get("INSTGENIE_UNET_CHANNELS_LAST", "1").strip().lower()
-    return flag not in ("0", "false", "no", "off")
-
-
-def cuda_graphs() -> str:
-    """INSTGENIE_CUDA_GRAPHS: all (default) | masked | off — which denoising steps replay
-    CUDA graphs (engine/graphs.py)."""
-    return os.environ.get("INSTGENIE_CUDA_GRAPHS", "all").strip().lower()
-
-
-def graph_capture() -> str:
-    """INSTGENIE_GRAPH_CAPTURE: auto (default: capture a composition's graph only when its
-    measured costs say it pays before the batch changes) | always (every eligible composition on
-    its second call) — engine/graphs.py."""
-    return os.environ.get("INSTGENIE_GRAPH_CAPTURE", "auto").strip().lower()
-
-
-def cudnn_benchmark() -> bool:
-    """INSTGENIE_CUDNN_BENCHMARK: 1 lets cuDNN pick convolution algorithms by timing them
-    (torch.backends.cudnn.benchmark) on CUDA; 0 (default) keeps its heuristics."""
-    return os.environ.get("INSTGENIE_CUDNN_BENCHMARK", "0").strip() in ("1", "true", "yes")
-
-
-def _kernel_mode(name: str) -> str:
-    mode = os.environ.get(name, "auto").strip().lower()
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"{name}={mode!r}: expected auto, on or off")
-    return mode
-
-
-def fused_group_norm() -> str:
-    """INSTGENIE_FUSED_GROUPNORM: auto (default: the Triton GroupNorm+SiLU kernel on CUDA) | on
-    (also elsewhere, e.g. CPU under TRITON_INTERPRET=1) | off (torch's ops, stock diffusers)."""
-    return _kernel_mode("INSTGENIE_FUSED_GROUPNORM")
-
-
-def fused_geglu() -> str:
-    """INSTGENIE_FUSED_GEGLU: auto (default: GEGLU's gating as one Triton kernel on CUDA) | on
-    (also elsewhere) | off (torch's chunk, gelu and mul: stock diffusers)."""
-    return _kernel_mode("INSTGENIE_FUSED_GEGLU")
-
-
-def fused_conv_bias() -> str:
-    """INSTGENIE_FUSED_CONV_BIAS: auto (default: Conv2d biases added by a vectorised Triton
-    kernel on CUDA) | on (also elsewhere) | off (torch's biased convolution: stock diffusers)."""
-    return _kernel_mode("INSTGENIE_FUSED_CONV_BIAS")
+    names = {f.metadata["env"] for f in dataclasses.fields(ExecConfig)}
+    return {k: v for k, v in os.environ.items() if k in names}
 
 
 def log_level() -> str:

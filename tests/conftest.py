@@ -151,13 +151,12 @@ def unet_inputs(unet, seed: int = 0) -> dict:
     return kw
 
 
-def swapped_unet_run(unet_pair, fuse, switch, kind, mode: str, monkeypatch, seed: int = 0):
-    """Swap modules into the second UNet of `unet_pair` with `fuse`, set `switch.MODE` to
-    `mode`, run both UNets on the same inputs. Returns (swapped output, stock output, kernel
-    call count of every swapped module of type `kind`)."""
+def swapped_unet_run(unet_pair, fuse, kind, mode: str, seed: int = 0):
+    """Swap modules into the second UNet of `unet_pair` with `fuse` in kernel mode `mode`, run
+    both UNets on the same inputs. Returns (swapped output, stock output, kernel call count of
+    every swapped module of type `kind`)."""
     stock, fused = unet_pair
-    fuse(fused)
-    monkeypatch.setattr(switch, "MODE", mode)
+    fuse(fused, mode)
     kw = unet_inputs(stock, seed=seed)
     with torch.no_grad():
         want = stock(**kw).sample
@@ -165,3 +164,22 @@ def swapped_unet_run(unet_pair, fuse, switch, kind, mode: str, monkeypatch, seed
     calls = [m.kernel_calls for m in fused.modules() if isinstance(m, kind)]
     assert calls, f"no {kind.__name__} in the UNet"
     return got, want, calls
+
+
+def set_kernel_mode(model, kind: type, mode: str) -> None:
+    """Switch every swapped-in fused module of type `kind` in `model` to kernel `mode`."""
+    for m in model.modules():
+        if isinstance(m, kind):
+            m.mode = mode
+
+
+def exec_at_start(*flags: str):
+    """The ExecConfig a command builds at start: its `flags` (--cuda-graphs off, ...), else the
+    INSTGENIE_* variables set now, else the defaults."""
+    import argparse
+
+    from instgenie.config import ExecConfig, add_dataclass_args, dataclass_from_args
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, ExecConfig)
+    return dataclass_from_args(ExecConfig, parser.parse_args(list(flags)))

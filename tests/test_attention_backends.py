@@ -14,12 +14,13 @@ import functools
 import pytest
 import torch
 
+from instgenie.config import ExecConfig
 from instgenie.engine import attention
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
 from instgenie.errors import ModelLoadError
-from tests.conftest import make_image, make_mask, png_bytes
+from tests.conftest import exec_at_start, make_image, make_mask, png_bytes
 from triton_kernels.varlen_attention import _interpreting
 
 STEPS = 2
@@ -76,11 +77,17 @@ def test_resolve_backend_names_and_availability(monkeypatch: pytest.MonkeyPatch)
         attention.resolve_backend("triton", cuda)
 
 
-@pytest.mark.parametrize("setting", ["bogus", "flash"])
-def test_bad_backend_setting_fails_the_model_load(
-    setting: str, monkeypatch: pytest.MonkeyPatch
+def test_bad_backend_setting_fails_the_config_or_the_model_load(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("INSTGENIE_ATTENTION_BACKEND", setting)
+    """An unknown backend is refused by the config (naming the field, or the variable it came
+    from); one that cannot run here (flash-attn absent) fails the model load."""
+    with pytest.raises(ValueError, match="attention_backend: 'bogus'"):
+        ExecConfig(attention_backend="bogus")
+    monkeypatch.setenv("INSTGENIE_ATTENTION_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="INSTGENIE_ATTENTION_BACKEND"):
+        exec_at_start()
+    monkeypatch.setenv("INSTGENIE_ATTENTION_BACKEND", "flash")
     monkeypatch.setattr(attention, "_flash_fn", lambda: None)  # flash-attn absent
-    with pytest.raises(ModelLoadError, match="INSTGENIE_ATTENTION_BACKEND"):
-        EditPipeline.load("sd2-inpaint:tiny")
+    with pytest.raises(ModelLoadError, match="attention_backend"):
+        EditPipeline.load("sd2-inpaint:tiny", execution=exec_at_start())

@@ -74,10 +74,13 @@ def test_masked_replay_exact_in_channels_last(family: str) -> None:
 
 
 def test_env_flag_defaults_to_channels_last(monkeypatch: pytest.MonkeyPatch) -> None:
-    from instgenie import env
+    """ExecConfig.channels_last: on by default; INSTGENIE_UNET_CHANNELS_LAST=0 (or false, no,
+    off) turns it off in a config built at start, and --channels-last wins over it."""
+    from tests.conftest import exec_at_start
 
     monkeypatch.delenv("INSTGENIE_UNET_CHANNELS_LAST", raising=False)
-    assert env.unet_channels_last()
+    assert exec_at_start().channels_last
     for off in ("0", "false", "no", "off"):
         monkeypatch.setenv("INSTGENIE_UNET_CHANNELS_LAST", off)
-        assert not env.unet_channels_last()
+        assert not exec_at_start().channels_last
+    assert exec_at_start("--channels-last").channels_last

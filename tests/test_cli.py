@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from instgenie.cli import EXIT_INVALID_INPUT, EXIT_MODEL_LOAD, main
+from instgenie.config import ExecConfig, to_dict
 from tests.conftest import make_image, make_mask
 
 
@@ -149,14 +150,16 @@ def test_profile_refuses_bad_sizes_and_paths_before_profiling(tmp_path, capsys) 
 
 def test_profile_writes_every_fit_the_planner_and_router_read(tmp_path, capsys) -> None:
     """A whole (small) `instgenie profile` run: compute fits per block class and mode, the DRAM
-    load fit, the rest of the step, the loop's stages, and the command that made them."""
+    load fit, the rest of the step, the loop's stages, and the command and execution settings
+    that made them."""
     from instgenie.engine.profiling import check_profile
     from instgenie.scheduler.fits import MODES, STAGES, Profile
 
     out, disk = tmp_path / "p.json", tmp_path / "scratch" / "disk"  # --disk-dir: made if missing
     code = main(["profile", "--model", "sdxl-inpaint:tiny", "--size", "128", "--batches", "1",
                  "--ratios", "0.2", "1.0", "--warmup", "0", "--iters", "1", "--load-mb", "1", "2",
-                 "--disk-dir", str(disk), "--disk-mb", "1", "2", "-o", str(out)])  # fmt: skip
+                 "--disk-dir", str(disk), "--disk-mb", "1", "2", "-o", str(out),
+                 "--fused-geglu", "off"])  # fmt: skip
     assert code == 0, capsys.readouterr().err
     prof = Profile.load_file(out)
     check_profile(prof, _tiny_family())
@@ -166,6 +169,7 @@ def test_profile_writes_every_fit_the_planner_and_router_read(tmp_path, capsys) 
     assert set(prof.stages) == set(STAGES) and all(f.n == 3 for f in prof.stages.values())
     assert [px for px, _ in prof.meta["stage_samples"]["encode"]] == [64**2, 96**2, 128**2]
     assert prof.meta["command"].startswith("instgenie profile --model sdxl-inpaint:tiny")
+    assert prof.meta["execution"] == to_dict(ExecConfig(fused_geglu="off"))
     assert "stage               encode" in capsys.readouterr().out
 
 
@@ -259,9 +263,11 @@ def test_console_script_on_bundled_sample(tmp_path) -> None:
 
 def test_bench_step_json(capsys) -> None:
     code = main(["bench-step", "--model", "flux-fill:tiny", "--mask-ratio", "0.2", "--batch", "2",
-                 "--warmup", "0", "--iters", "1", "--json"])  # fmt: skip
+                 "--warmup", "0", "--iters", "1", "--json",
+                 "--graph-capture", "always"])  # fmt: skip
     assert code == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["execution"] == to_dict(ExecConfig(graph_capture="always"))  # what it ran with
     for key in ("flops_masked", "flops_full", "ms_masked", "ms_full"):
         assert row[key] > 0, key
     assert row["batch"] == 2 and row["token_ratio"] == pytest.approx(0.2, abs=0.01)

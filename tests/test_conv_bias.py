@@ -9,10 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from instgenie.engine import fused_conv
 from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint
 from instgenie.engine.fused_conv import BiasKernelConv2d, fuse_conv_bias
-from tests.conftest import swapped_unet_run, tiny_components
+from tests.conftest import exec_at_start, swapped_unet_run, tiny_components
 from triton_kernels.bias_add import (
     _MAX_BLOCK,
     add_channel_bias_,
@@ -109,29 +108,24 @@ def test_swap_keeps_parameters_and_counts(unet_pair) -> None:
             )  # fmt: skip
 
 
-def test_swap_off_is_bit_identical_to_stock(unet_pair, monkeypatch) -> None:
-    got, want, calls = swapped_unet_run(
-        unet_pair, fuse_conv_bias, fused_conv, BiasKernelConv2d, "off", monkeypatch
-    )
+def test_swap_off_is_bit_identical_to_stock(unet_pair) -> None:
+    got, want, calls = swapped_unet_run(unet_pair, fuse_conv_bias, BiasKernelConv2d, "off")
     assert torch.equal(got, want)
     assert set(calls) == {0}
 
 
-def test_swap_on_runs_the_kernel_everywhere(unet_pair, monkeypatch) -> None:
-    got, want, calls = swapped_unet_run(
-        unet_pair, fuse_conv_bias, fused_conv, BiasKernelConv2d, "on", monkeypatch, 1
-    )
+def test_swap_on_runs_the_kernel_everywhere(unet_pair) -> None:
+    got, want, calls = swapped_unet_run(unet_pair, fuse_conv_bias, BiasKernelConv2d, "on", 1)
     assert set(calls) == {1}
     # CPU convolutions add the bias inside the GEMM (one rounding fewer): float32 noise only
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-def test_vae_swap_and_channels_last(monkeypatch) -> None:
+def test_vae_swap_and_channels_last() -> None:
     vae = tiny_components(SDXLInpaint)["vae"].eval()
     fused = copy.deepcopy(vae)
-    assert fuse_conv_bias(fused) > 0
+    assert fuse_conv_bias(fused, "on") > 0
     x = torch.rand(1, 3, 32, 32) * 2 - 1
-    monkeypatch.setattr(fused_conv, "MODE", "on")
     with torch.no_grad():
         lat = vae.encode(x).latent_dist.mode()
         want = vae.decode(lat).sample
@@ -156,12 +150,11 @@ def test_families_install_it() -> None:
 
 
 def test_env_flag(monkeypatch) -> None:
-    from instgenie import env
-
+    """INSTGENIE_FUSED_CONV_BIAS sets ExecConfig.fused_conv_bias in a config built at start."""
     monkeypatch.setenv("INSTGENIE_FUSED_CONV_BIAS", "OFF")
-    assert env.fused_conv_bias() == "off"
+    assert exec_at_start().fused_conv_bias == "off"
     monkeypatch.delenv("INSTGENIE_FUSED_CONV_BIAS")
-    assert env.fused_conv_bias() == "auto"
+    assert exec_at_start().fused_conv_bias == "auto"
     monkeypatch.setenv("INSTGENIE_FUSED_CONV_BIAS", "yes")
     with pytest.raises(ValueError, match="INSTGENIE_FUSED_CONV_BIAS"):
-        env.fused_conv_bias()
+        exec_at_start()

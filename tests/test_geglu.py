@@ -7,9 +7,8 @@ import pytest
 import torch
 from diffusers.models.activations import GEGLU
 
-from instgenie.engine import fused_geglu
 from instgenie.engine.fused_geglu import FusedGEGLU, fuse_geglu
-from tests.conftest import swapped_unet_run
+from tests.conftest import exec_at_start, swapped_unet_run
 from triton_kernels.geglu import _MAX_BLOCK, geglu, geglu_reference
 
 #: relative to the largest |output|: the output rounding (half an ulp), plus erf's last float32
@@ -95,28 +94,23 @@ def test_swap_keeps_parameters_and_counts(unet_pair) -> None:
     assert fuse_geglu(fused) == 0  # idempotent
 
 
-def test_swap_off_is_bit_identical_to_stock(unet_pair, monkeypatch) -> None:
-    got, want, calls = swapped_unet_run(
-        unet_pair, fuse_geglu, fused_geglu, FusedGEGLU, "off", monkeypatch
-    )
+def test_swap_off_is_bit_identical_to_stock(unet_pair) -> None:
+    got, want, calls = swapped_unet_run(unet_pair, fuse_geglu, FusedGEGLU, "off")
     assert torch.equal(got, want)
     assert set(calls) == {0}
 
 
-def test_swap_on_runs_the_kernel_everywhere(unet_pair, monkeypatch) -> None:
-    got, want, calls = swapped_unet_run(
-        unet_pair, fuse_geglu, fused_geglu, FusedGEGLU, "on", monkeypatch, 1
-    )
+def test_swap_on_runs_the_kernel_everywhere(unet_pair) -> None:
+    got, want, calls = swapped_unet_run(unet_pair, fuse_geglu, FusedGEGLU, "on", 1)
     assert set(calls) == {1}
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-def test_non_contiguous_projection_falls_back(monkeypatch) -> None:
+def test_non_contiguous_projection_falls_back() -> None:
     """A projection output the kernel cannot read (here: a transposed Linear output, by a
     forward hook) runs torch's ops instead of failing."""
-    geglu_mod = FusedGEGLU(GEGLU(6, 4))
+    geglu_mod = FusedGEGLU(GEGLU(6, 4), mode="on")
     geglu_mod.proj.register_forward_hook(lambda m, a, out: out.transpose(0, 1).contiguous().t())
-    monkeypatch.setattr(fused_geglu, "MODE", "on")
     x = torch.randn(5, 6)
     with torch.no_grad():
         p = geglu_mod.proj(x)
@@ -135,12 +129,11 @@ def test_families_install_it() -> None:
 
 
 def test_env_flag(monkeypatch) -> None:
-    from instgenie import env
-
+    """INSTGENIE_FUSED_GEGLU sets ExecConfig.fused_geglu in a config built at start."""
     monkeypatch.setenv("INSTGENIE_FUSED_GEGLU", " Off")
-    assert env.fused_geglu() == "off"
+    assert exec_at_start().fused_geglu == "off"
     monkeypatch.delenv("INSTGENIE_FUSED_GEGLU")
-    assert env.fused_geglu() == "auto"
+    assert exec_at_start().fused_geglu == "auto"
     monkeypatch.setenv("INSTGENIE_FUSED_GEGLU", "1")
     with pytest.raises(ValueError, match="INSTGENIE_FUSED_GEGLU"):
-        env.fused_geglu()
+        exec_at_start()

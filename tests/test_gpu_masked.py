@@ -39,7 +39,7 @@ def _run(pipe, req):
 @pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
 def test_replay_on_cuda_with_triton(family: str) -> None:
     pipe = cuda_pipeline(family)
-    assert pipe.family.masked.attention_backend in (None, "triton")
+    assert pipe.family.masked.attention_backend in ("auto", "triton")
     img, mask = png_bytes(make_image(128, 128, seed=1)), png_bytes(make_mask(128, 128))
     common = dict(prompt="a hat", seed=3, num_inference_steps=4)
     key = pipe.build_template(TemplateSpec(image=img, mask=mask, **common))
@@ -407,19 +407,18 @@ def test_fused_kernels_in_sdxl_unet_fp16() -> None:
             "time_ids": (torch.rand(2, 6, device="cuda", generator=g) * 64).half(),
         },
     )  # fmt: skip
-    switches = (fused_norms, fused_geglu, fused_conv)
-    saved = [mod.MODE for mod in switches]
+    saved = [m.mode for m in swapped]
     try:
         with torch.no_grad():
-            for mod in switches:
-                mod.MODE = "auto"
+            for m in swapped:
+                m.mode = "auto"
             got = unet(**kw).sample
-            for mod in switches:
-                mod.MODE = "off"
+            for m in swapped:
+                m.mode = "off"
             want = unet(**kw).sample
     finally:
-        for mod, mode in zip(switches, saved, strict=True):
-            mod.MODE = mode
+        for m, mode in zip(swapped, saved, strict=True):
+            m.mode = mode
     assert all(m.kernel_calls == 1 for m in swapped)
     assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
 

@@ -9,10 +9,9 @@ import pytest
 import torch
 from diffusers.models.resnet import ResnetBlock2D
 
-from instgenie.engine import fused_norms
 from instgenie.engine.adapters.sdxl_inpaint import SDXLInpaint
 from instgenie.engine.fused_norms import FusedGroupNorm, fuse_group_norms
-from tests.conftest import swapped_unet_run, tiny_components
+from tests.conftest import exec_at_start, set_kernel_mode, swapped_unet_run, tiny_components
 from triton_kernels.group_norm import _BLOCK, group_norm, group_norm_reference
 
 #: one rounding of the output dtype, relative to the largest |output| (the kernel rounds once;
@@ -138,25 +137,21 @@ def test_swap_keeps_parameters_and_counts(unet_pair) -> None:
     assert fuse_group_norms(fused) == 0  # idempotent: nothing left to swap
 
 
-def test_swap_off_is_bit_identical_to_stock(unet_pair, monkeypatch) -> None:
-    """MODE off runs torch's ops: the swapped UNet equals stock diffusers bit for bit (this also
+def test_swap_off_is_bit_identical_to_stock(unet_pair) -> None:
+    """Mode off runs torch's ops: the swapped UNet equals stock diffusers bit for bit (this also
     checks that the time embedding still goes through SiLU, via the pre-hook)."""
-    got, want, calls = swapped_unet_run(
-        unet_pair, fuse_group_norms, fused_norms, FusedGroupNorm, "off", monkeypatch
-    )
+    got, want, calls = swapped_unet_run(unet_pair, fuse_group_norms, FusedGroupNorm, "off")
     assert torch.equal(got, want)
     assert set(calls) == {0}
 
 
-def test_swap_on_runs_the_kernel_everywhere(unet_pair, monkeypatch) -> None:
-    got, want, calls = swapped_unet_run(
-        unet_pair, fuse_group_norms, fused_norms, FusedGroupNorm, "on", monkeypatch, 1
-    )
+def test_swap_on_runs_the_kernel_everywhere(unet_pair) -> None:
+    got, want, calls = swapped_unet_run(unet_pair, fuse_group_norms, FusedGroupNorm, "on", 1)
     assert set(calls) == {1}
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-def test_vae_swap(monkeypatch) -> None:
+def test_vae_swap() -> None:
     vae = tiny_components(SDXLInpaint)["vae"].eval()
     fused = copy.deepcopy(vae)
     assert fuse_group_norms(fused) > 0
@@ -164,10 +159,10 @@ def test_vae_swap(monkeypatch) -> None:
     with torch.no_grad():
         lat = vae.encode(x).latent_dist.mode()
         want = vae.decode(lat).sample
-        monkeypatch.setattr(fused_norms, "MODE", "off")
+        set_kernel_mode(fused, FusedGroupNorm, "off")
         assert torch.equal(fused.decode(lat).sample, want)
         assert torch.equal(fused.encode(x).latent_dist.mode(), lat)
-        monkeypatch.setattr(fused_norms, "MODE", "on")
+        set_kernel_mode(fused, FusedGroupNorm, "on")
         got = fused.decode(lat).sample
     calls = {n: m.kernel_calls for n, m in fused.decoder.named_modules()
              if isinstance(m, FusedGroupNorm)}  # fmt: skip
@@ -188,12 +183,11 @@ def test_families_install_it() -> None:
 
 
 def test_env_flag(monkeypatch) -> None:
-    from instgenie import env
-
+    """INSTGENIE_FUSED_GROUPNORM sets ExecConfig.fused_group_norm in a config built at start."""
     monkeypatch.setenv("INSTGENIE_FUSED_GROUPNORM", " OFF ")
-    assert env.fused_group_norm() == "off"
+    assert exec_at_start().fused_group_norm == "off"
     monkeypatch.delenv("INSTGENIE_FUSED_GROUPNORM")
-    assert env.fused_group_norm() == "auto"
+    assert exec_at_start().fused_group_norm == "auto"
     monkeypatch.setenv("INSTGENIE_FUSED_GROUPNORM", "fast")
     with pytest.raises(ValueError, match="INSTGENIE_FUSED_GROUPNORM"):
-        env.fused_group_norm()
+        exec_at_start()

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from instgenie.config import ExecConfig, to_dict
 from tests.test_server_harness import ServerProcess, image_png, mask_png, shared_server
 
 
@@ -101,4 +102,6 @@ def test_health_reports_the_cache_the_workers_were_started_with(srv: ServerProce
         },
     }  # fmt: skip
     assert body["workers"][0]["cache_gpu_budget_bytes"] is None
+    # and each worker's execution settings (no flag, no INSTGENIE_* variable: the defaults)
+    assert body["workers"][0]["execution"] == to_dict(ExecConfig())
     assert "instgenie: templates cached in each worker's device memory" in srv.log()

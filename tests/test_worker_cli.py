@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from instgenie.config import ExecConfig, to_dict
 from instgenie.ipc import ipc_address
 from instgenie.worker.client import WorkerClient
 from tests.conftest import make_image, make_mask, png_bytes
@@ -17,8 +18,8 @@ from tests.conftest import make_image, make_mask, png_bytes
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _cli(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def _cli(*args: str, **variables: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **variables)
     return subprocess.Popen([sys.executable, "-m", "instgenie.cli", "worker", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
@@ -30,13 +31,17 @@ def _children(pid: int) -> list[int]:
 
 def test_worker_command_serves_and_drains_on_sigterm() -> None:
     address = ipc_address("cli-worker")
-    proc = _cli("--model", "sd2-inpaint:tiny", "--address", address, "--max-batch", "2")
+    proc = _cli("--model", "sd2-inpaint:tiny", "--address", address, "--max-batch", "2",
+                "--graph-capture", "always", INSTGENIE_FUSED_GEGLU="off")  # fmt: skip
     try:
         line = proc.stdout.readline()  # blocks until the ready line (or EOF if it died)
         assert line, proc.stderr.read()
         ready = json.loads(line)
         assert (ready["event"], ready["address"], ready["pid"]) == ("ready", address, proc.pid)
         assert (ready["model"], ready["policy"]) == ("sd2-inpaint:tiny", "continuous")
+        # its execution settings: the flag given, the variable set, the defaults
+        want = ExecConfig(graph_capture="always", fused_geglu="off")
+        assert ready["execution"] == to_dict(want)
         children = _children(proc.pid)
         assert len(children) == 3  # loop, pre, post
         with WorkerClient(address) as client:

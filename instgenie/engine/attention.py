@@ -25,9 +25,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.flop_counter import register_flop_formula
 
-from instgenie import env
-
-BACKENDS = ("auto", "triton", "flash", "sdpa")
+from instgenie.config import ATTENTION_BACKENDS as BACKENDS  # ExecConfig.attention_backend
 
 
 @functools.cache
@@ -139,8 +137,9 @@ def varlen_attention(
     scale: float,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Dispatch to the selected backend (None = INSTGENIE_ATTENTION_BACKEND, default auto)."""
-    chosen = resolve_backend(backend or env.attention_backend(), q.device)
+    """Dispatch to the selected backend (None = "auto"; the masked executor passes its
+    ExecConfig.attention_backend)."""
+    chosen = resolve_backend(backend or "auto", q.device)
     if chosen == "flash" and q.dtype not in (torch.float16, torch.bfloat16):
         chosen = "sdpa"  # flash-attn has no fp32/fp64 path
     if chosen == "triton" and q.dtype == torch.float64:

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from PIL import Image
 
-from instgenie import env
-from instgenie.config import ModelConfig
+from instgenie.config import EXEC_DEFAULTS, ExecConfig, ModelConfig
 from instgenie.errors import ModelLoadError, ValidationError
 
 if TYPE_CHECKING:
@@ -63,6 +62,8 @@ class ModelFamily(Protocol):
     spec: ModelSpec
     device: torch.device
     dtype: torch.dtype
+    #: how it executes (kernels, layout, graphs), fixed at load
+    execution: ExecConfig
     default_steps: int
     default_guidance: float
     #: image sides must be multiples of this many pixels
@@ -187,6 +188,7 @@ def family_options(model: ModelConfig) -> dict[str, Any]:
         "vae_dtype": model.vae_dtype,
         "prompt_cache_bytes": model.prompt_cache_bytes,
         "text_encoder_graphs": model.text_encoder_graphs,
+        "execution": model.execution,
     }
 
 
@@ -199,12 +201,14 @@ def load_family(
     vae_dtype: str = "auto",
     prompt_cache_bytes: int = ModelConfig.prompt_cache_bytes,
     text_encoder_graphs: bool = ModelConfig.text_encoder_graphs,
+    execution: ExecConfig = EXEC_DEFAULTS,
 ) -> ModelFamily:
     """Build or load a model family adapter. Never touches the network. `parts`: "all",
     "backbone" (denoise loop), "stages" (pre/post-processing) or "none" (image codec work
     only); see AdapterBase.load. `vae_dtype`: "auto" (the family's choice) or a dtype name;
     `prompt_cache_bytes`: the prompt cache's capacity (0: off); `text_encoder_graphs`: replay the
-    text encoders from CUDA graphs on CUDA (engine/encoder_graphs.py)."""
+    text encoders from CUDA graphs on CUDA (engine/encoder_graphs.py); `execution`: kernels,
+    layout and graphs (config.ExecConfig)."""
     spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(spec)
     cls = _registry()[spec.family]
     if device.startswith("cuda") and torch.device(device).index is not None:
@@ -212,7 +216,7 @@ def load_family(
         # ("cannot be accessed from Triton"): a process serves one device, make it current
         # (a worker on cuda:1 otherwise failed every step that ran a Triton kernel)
         torch.cuda.set_device(torch.device(device))
-    if device.startswith("cuda") and env.cudnn_benchmark():
+    if device.startswith("cuda") and execution.cudnn_benchmark:
         # shapes repeat every step: let cuDNN time its convolution algorithms once per shape
         torch.backends.cudnn.benchmark = True
     from instgenie.engine.build import parse_dtype
@@ -225,4 +229,5 @@ def load_family(
         vae_dtype=None if vae_dtype == "auto" else parse_dtype(vae_dtype),
         prompt_cache_bytes=prompt_cache_bytes,
         text_encoder_graphs=text_encoder_graphs,
+        execution=execution,
     )

@@ -13,7 +13,16 @@ from collections.abc import Callable
 
 import torch
 
+from instgenie.config import KERNEL_MODES  # a fused kernel's switch (ExecConfig.fused_*)
+
 log = logging.getLogger(__name__)
+
+
+def check_mode(mode: str) -> str:
+    """`mode` if it is a kernel switch, else ValueError."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernel mode {mode!r}: expected one of {', '.join(KERNEL_MODES)}")
+    return mode
 
 
 def kernel_enabled(mode: str, device: torch.device) -> bool:

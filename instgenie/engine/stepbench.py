@@ -8,6 +8,7 @@ states (step index 0), so only the denoise step is in the timed region.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -150,6 +151,8 @@ def bench_step(
         "model": str(pipe.family.spec),
         "device": str(pipe.family.device),
         "dtype": str(pipe.family.dtype).removeprefix("torch."),
+        # the kernels, layout and graphs it ran with (config.ExecConfig)
+        "execution": dataclasses.asdict(pipe.family.execution),
         "size": size,
         "batch": batch,
         "mask_ratio": ratio,

@@ -6,6 +6,7 @@ import argparse
 
 from instgenie.config import (
     DefaultsHelpFormatter,
+    ExecConfig,
     LimitsConfig,
     ModelConfig,
     WorkerConfig,
@@ -53,12 +54,17 @@ def add_commands(sub) -> None:
         formatter_class=DefaultsHelpFormatter,
     )
     model = serve.add_argument_group("model (ModelConfig)")
-    add_dataclass_args(model, ModelConfig, skip=("device",))
+    add_dataclass_args(model, ModelConfig, skip=("device", "execution"))
     model.add_argument(
         "--devices",
         default="cpu",
         help="comma-separated torch devices, one worker each: cpu | cuda:0,cuda:1",
     )
+    execution = serve.add_argument_group(
+        "execution, every worker (ExecConfig)",
+        "a flag given wins over its INSTGENIE_* variable, read once at start",
+    )
+    add_dataclass_args(execution, ExecConfig)
     add_dataclass_args(serve.add_argument_group("server (ServerConfig)"), ServerConfig)
     worker = serve.add_argument_group("worker, one per device (WorkerConfig)")
     add_dataclass_args(worker, WorkerConfig, skip=("max_queue",))

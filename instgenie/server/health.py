@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from instgenie.cache.budgets import CacheDefaults
+from instgenie.config import to_dict
 from instgenie.server.config import ServerConfig
 from instgenie.server.metrics import Metrics
 from instgenie.server.pool import WorkerPool, WorkerSlot
@@ -143,6 +144,8 @@ class HealthMonitor:
                     "last_stats_age_s": round(now - s.stats_at, 3) if s.stats_at else None,
                     "cost_model": cost_model(s),
                     "cache_gpu_budget_bytes": gpu_budget(s),
+                    # what its processes were started with (their config; nothing re-reads it)
+                    "execution": to_dict(s.config.model.execution),
                 }
             )
         return any(r["healthy"] for r in rows), rows

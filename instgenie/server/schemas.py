@@ -17,6 +17,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from instgenie.config import ExecConfig
+
 INVALID_TEXT = "invalid_text"  # pydantic error type and API error code of a bad text field
 
 
@@ -308,6 +310,13 @@ class WorkerHealth(BaseModel):
         None,
         description="the GPU tier's budget this worker's loop reports, bytes; null until "
         "it reports one",
+    )
+    execution: ExecConfig | None = Field(
+        None,
+        description="how this worker's model executes (attention backend, channels_last, CUDA "
+        "graphs and their capture, cuDNN benchmark, fused kernels): the flags it was started "
+        "with, else their INSTGENIE_* variables, else the defaults (instgenie/config.py "
+        "ExecConfig)",
     )
 
 

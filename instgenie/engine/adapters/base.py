@@ -15,8 +15,7 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
-from instgenie import env
-from instgenie.config import ModelConfig
+from instgenie.config import EXEC_DEFAULTS, ExecConfig, ModelConfig
 from instgenie.engine.build import build_seeded
 from instgenie.engine.encoder_graphs import graph_text_encoders
 from instgenie.engine.family import ModelSpec
@@ -88,11 +87,14 @@ class AdapterBase:
         vae_dtype: torch.dtype | None = None,
         prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
         text_encoder_graphs: bool = TEXT_ENCODER_GRAPHS,
+        execution: ExecConfig = EXEC_DEFAULTS,
     ) -> None:
         self.spec = spec
         self.pipe = pipe
         self.device = device
         self.dtype = dtype
+        #: kernels, layout and graphs (config.ExecConfig), fixed for the adapter's life
+        self.execution = execution
         pipe.set_progress_bar_config(disable=True)
         self.backbone = getattr(pipe, self.backbone_name)
         self.vae = getattr(pipe, "vae", None)
@@ -107,18 +109,19 @@ class AdapterBase:
         #: text towers replayed from CUDA graphs, by pipeline attribute (engine/encoder_graphs.py)
         self.text_graphs = (
             graph_text_encoders(pipe, device)
-            if text_encoder_graphs and env.cuda_graphs() != "off"
+            if text_encoder_graphs and execution.cuda_graphs != "off"
             else {}
         )
         # GroupNorm (+ SiLU) of UNet and VAE ResNets through one Triton kernel pair on CUDA
         for part in (self.backbone, self.vae):
             if part is not None:
-                fuse_group_norms(part)
-                fuse_conv_bias(part)  # Conv2d biases by a vectorised kernel on CUDA
+                fuse_group_norms(part, execution.fused_group_norm)
+                # Conv2d biases by a vectorised kernel on CUDA
+                fuse_conv_bias(part, execution.fused_conv_bias)
         # GEGLU's chunk + gelu + mul of SDXL/SD2 feed-forwards as one Triton pass on CUDA
-        fuse_geglu(self.backbone)
+        fuse_geglu(self.backbone, execution.fused_geglu)
         #: hooks every transformer block; inert unless a step needs masked execution or capture
-        self.masked = MaskedExecutor(self.backbone, device)
+        self.masked = MaskedExecutor(self.backbone, device, execution)
 
     def encode_texts(self, prompt: str, negative_prompt: str | None, do_cfg: bool) -> tuple:
         """The text towers' outputs for one prompt (the prompt cache's entry), not cached."""
@@ -164,12 +167,14 @@ class AdapterBase:
         vae_dtype: torch.dtype | None = None,
         prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
         text_encoder_graphs: bool = TEXT_ENCODER_GRAPHS,
+        execution: ExecConfig = EXEC_DEFAULTS,
     ) -> AdapterBase:
         """parts: "all"; "backbone" (the denoise loop: text encoders and VAE are built on the
         meta device, configs only, no memory); "stages" (pre/post-processing: the backbone on
         meta). Local directories always load every part. `vae_dtype`: None = the family's choice
         (auto_vae_dtype); `prompt_cache_bytes`: the prompt cache's capacity (0: off);
-        `text_encoder_graphs`: replay the text towers from CUDA graphs on CUDA."""
+        `text_encoder_graphs`: replay the text towers from CUDA graphs on CUDA; `execution`:
+        kernels, layout and graphs (config.ExecConfig)."""
         dev = torch.device(device)
         if spec.is_local_dir:
             pipe = cls._from_dir(Path(spec.size), dev, dtype)
@@ -186,6 +191,7 @@ class AdapterBase:
             vae_dtype=vae_dtype,
             prompt_cache_bytes=prompt_cache_bytes,
             text_encoder_graphs=text_encoder_graphs,
+            execution=execution,
         )
 
     @staticmethod

@@ -20,7 +20,6 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint impo
 )
 from PIL import Image
 
-from instgenie import env
 from instgenie.engine.adapters.base import AdapterBase
 from instgenie.engine.masked.tokens import unet_token_masks
 from instgenie.engine.request import EditRequest, RequestState
@@ -98,7 +97,7 @@ class UNetInpaintAdapter(AdapterBase):
         #: prompt tokens per row (CLIP's context length)
         tokenizer = getattr(self.pipe, "tokenizer", None)
         self.text_len = int(tokenizer.model_max_length) if tokenizer is not None else 77
-        if self.device.type == "cuda" and env.unet_channels_last():
+        if self.device.type == "cuda" and self.execution.channels_last:
             # NHWC convolutions without cuDNN's NCHW<->NHWC transposes; with keep_channels_last
             # the maps stay NHWC end to end (docs/decisions/0004-unet-memory-format.md)
             unet.to(memory_format=torch.channels_last)

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from instgenie import env
 from instgenie.cache.loader import BlockLoad, CopyEngine, PipelinedLoader, copy_engine_for
 from instgenie.cache.misses import CacheMiss
 from instgenie.cache.window import SLOTS, StepWindow
+from instgenie.config import EXEC_DEFAULTS, ExecConfig
 from instgenie.engine.attention import resolve_backend
 from instgenie.engine.graphs import StepGraphs
 from instgenie.engine.masked import hooks
@@ -54,16 +54,18 @@ class CacheReadFailed(RuntimeError):
 
 
 class MaskedExecutor:
-    def __init__(self, backbone: torch.nn.Module, device: torch.device) -> None:
+    def __init__(
+        self, backbone: torch.nn.Module, device: torch.device, execution: ExecConfig = EXEC_DEFAULTS
+    ) -> None:
         self.blocks = hooks.install(backbone)
         self.block_order = [b.block_id for b in self.blocks]
         self.device = device
-        #: None = INSTGENIE_ATTENTION_BACKEND / auto
-        self.attention_backend: str | None = None
+        #: ExecConfig.attention_backend (None = "auto"; tests and benchmarks switch it)
+        self.attention_backend: str | None = execution.attention_backend
         try:  # a bad setting fails the model load, not the first step that reads a cache
-            resolve_backend(env.attention_backend(), device)
+            resolve_backend(execution.attention_backend, device)
         except (ValueError, RuntimeError) as e:
-            raise ModelLoadError(f"INSTGENIE_ATTENTION_BACKEND: {e}") from None
+            raise ModelLoadError(f"attention_backend: {e}") from None
         #: "auto": host-tier caches are copied by the pipelined loader on CUDA, device-resident
         #: ones are read in place; "pipelined": always through the loader (tests, benchmarks);
         #: "naive": copy each block's rows on the compute stream right before its use
@@ -90,7 +92,7 @@ class MaskedExecutor:
         self._token_cache: tuple | None = None
         #: CUDA-graph replay of steps whose composition repeats (engine/graphs.py); a graph
         #: whose step reads host memory owns a loader (its ring is part of the graph)
-        self.graphs = StepGraphs(device, env.cuda_graphs(), capture=env.graph_capture())
+        self.graphs = StepGraphs(device, execution.cuda_graphs, capture=execution.graph_capture)
 
     def run_backbone(
         self,
