@@ -284,7 +284,7 @@ class RequestNotes(Nested):  # what a request's stages learn about it (RequestSt
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
-class EditParams(Nested):  # an engine EditRequest without its image and mask (worker.codec)
+class EditParams(Nested):  # an engine EditRequest without its image and mask (worker.state_wire)
     uid: str  # the request's uid (a capture run: "capture:<key prefix>")
     prompt: str
     seed: int
@@ -310,7 +310,7 @@ class InputsMeta(Nested):  # decoded inputs, model work not done (pre -> loop, m
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
-class StateMeta(Nested):  # the non-tensor part of a RequestState (worker.codec.to_parts)
+class StateMeta(Nested):  # the non-tensor part of a RequestState (worker.state_wire.to_parts)
     uid: str  # SubmitEdit.uid, or the capture run's uid
     request: EditParams
     guidance_scale: float  # as resolved (the family's default when the request gave none)

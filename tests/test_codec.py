@@ -11,7 +11,7 @@ from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.messages import EditParams, RequestNotes
-from instgenie.worker.codec import (
+from instgenie.worker.state_wire import (
     decoded_image,
     from_parts,
     inputs_from_parts,

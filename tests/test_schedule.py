@@ -1,7 +1,7 @@
 """Vectorised per-request scheduler math equals per-request diffusers scheduler copies.
 
 float32: bit for bit. float16/bfloat16: within one rounding of the sigma products (see the
-module docstring of instgenie.engine.schedule for why bitwise equality is device-dependent).
+module docstring of instgenie.engine.noise_schedule for why bitwise equality is device-dependent).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 
 from instgenie.engine.adapters.flux_fill import SCHEDULER_CONFIG as FLUX_CFG
 from instgenie.engine.adapters.sdxl_inpaint import SCHEDULER_CONFIG as SDXL_CFG
-from instgenie.engine.schedule import euler_scale_input, euler_step, flow_match_step
+from instgenie.engine.noise_schedule import euler_scale_input, euler_step, flow_match_step
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

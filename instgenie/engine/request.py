@@ -75,7 +75,7 @@ class RequestState:
     original_mask: Image.Image | None = None
     step_index: int = 0
     #: what the stages learn on the way (cache outcome, capture run, stage times); it travels
-    #: with the state (worker.codec); frozen: a stage records with dataclasses.replace
+    #: with the state (worker.state_wire); frozen: a stage records with dataclasses.replace
     notes: RequestNotes = field(default_factory=RequestNotes)
     #: the working size (height, width) in pixels, where the family needs it after prepare
     #: (Flux unpacks its latents with it); None for the UNet families

@@ -54,9 +54,9 @@ from instgenie.scheduler.batching import get_policy
 from instgenie.tensorshm import pack, release, unpack
 from instgenie.worker.batcher import Batcher, Retired
 from instgenie.worker.child import ChildRuntime, release_bundles, resolve_device_budget
-from instgenie.worker.codec import from_parts, inputs_from_parts, to_parts
 from instgenie.worker.names import CAPTURE_PREFIX
 from instgenie.worker.stages import Stages, capture_uid, failure
+from instgenie.worker.state_wire import from_parts, inputs_from_parts, to_parts
 
 #: how often, ms, a loop checks on captures another process of the host is running
 AWAIT_POLL_MS = 100

@@ -14,8 +14,8 @@ import torch
 from instgenie.messages import Finished
 from instgenie.tensorshm import unpack
 from instgenie.worker.child import ChildRuntime
-from instgenie.worker.codec import decoded_image, from_parts
 from instgenie.worker.stages import Stages, failure
+from instgenie.worker.state_wire import decoded_image, from_parts
 
 
 def run(rt: ChildRuntime) -> None:

@@ -25,8 +25,8 @@ from instgenie.messages import (
 )
 from instgenie.tensorshm import pack, release
 from instgenie.worker.child import ChildRuntime
-from instgenie.worker.codec import inputs_to_parts, to_parts
 from instgenie.worker.stages import Stages, capture_uid, failure
+from instgenie.worker.state_wire import inputs_to_parts, to_parts
 
 
 def prepared(

@@ -29,8 +29,8 @@ from instgenie.engine import textenc
 from instgenie.engine.adapters.base import AdapterBase
 from instgenie.engine.adapters.vae import vae_config
 from instgenie.engine.masked.tokens import flux_token_masks
+from instgenie.engine.noise_schedule import flow_match_step
 from instgenie.engine.request import EditRequest, RequestState
-from instgenie.engine.schedule import flow_match_step
 from instgenie.errors import BatchError
 from instgenie.scheduler.step import StepPlan
 

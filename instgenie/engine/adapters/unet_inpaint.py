@@ -22,8 +22,8 @@ from PIL import Image
 
 from instgenie.engine.adapters.base import AdapterBase
 from instgenie.engine.masked.tokens import unet_token_masks
+from instgenie.engine.noise_schedule import euler_scale_input, euler_step
 from instgenie.engine.request import EditRequest, RequestState
-from instgenie.engine.schedule import euler_scale_input, euler_step
 from instgenie.errors import BatchError, ModelLoadError
 from instgenie.scheduler.step import StepPlan
 
