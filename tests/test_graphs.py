@@ -230,7 +230,7 @@ def test_eligibility() -> None:
     key = _template(fp8, 1)
     state = fp8.preprocess(_edit("a", key, (0.2, 0.2, 0.6, 0.6), 3))
     assert state.path == "masked"
-    ctx = ex.context([state])
+    ctx = ex.context([state], fp8.plan_step([state]))
     dtype = state.latents.dtype
     assert not ex.graphs.eligible(ctx, dtype, ex.block_order)  # fp8 rows have no stacks
 
@@ -240,7 +240,7 @@ def test_eligibility() -> None:
     graphs.force_static = True
     key = _template(pipe, 1)
     state = pipe.preprocess(_edit("a", key, (0.2, 0.2, 0.6, 0.6), 3))
-    ctx = ex.context([state])
+    ctx = ex.context([state], pipe.plan_step([state]))
     assert graphs.eligible(ctx, dtype, ex.block_order)
     assert not graphs.eligible(ctx, torch.float64, ex.block_order)  # stack dtype differs
     assert graphs.eligible(None, dtype, ex.block_order)  # a full batch
@@ -248,7 +248,9 @@ def test_eligibility() -> None:
     assert not graphs.eligible(None, dtype, ex.block_order)
     spec = TemplateSpec(image=png_bytes(make_image(128, 128, seed=7)), num_inference_steps=STEPS)
     capture = pipe.capture_state(pipe.register_template(spec))
-    assert not graphs.eligible(ex.context([state, capture]), dtype, ex.block_order)
+    assert not graphs.eligible(
+        ex.context([state, capture], pipe.plan_step([state, capture])), dtype, ex.block_order
+    )
     assert not StepGraphs(ex.device, "all").eligible(None, dtype, ex.block_order)  # CPU
     with pytest.raises(ValueError, match="unknown CUDA graph mode"):
         StepGraphs(ex.device, "sometimes")
@@ -355,24 +357,21 @@ def test_when_a_composition_is_captured() -> None:
     batch shape captured before in the process, and only when the costs say it pays."""
     cuda = torch.device("cuda")
     always = StepGraphs(cuda, "all", capture="always")
-    assert not always._should_capture(True, SMALL) and always._should_capture(False, SMALL)
-    always.horizon = 1  # "always" ignores costs and horizon
-    assert always._should_capture(False, SMALL)
+    assert not always._should_capture(True, SMALL, None)
+    assert always._should_capture(False, SMALL, None)
+    assert always._should_capture(False, SMALL, 1)  # "always" ignores costs and horizon
 
     auto = StepGraphs(cuda, "all")
     auto.costs = _costs()
-    auto.horizon = 5
-    assert not auto._should_capture(True, SMALL)  # never captured at this shape: warm up
-    assert auto._should_capture(False, SMALL)
+    assert not auto._should_capture(True, SMALL, 5)  # never captured at this shape: warm up
+    assert auto._should_capture(False, SMALL, 5)
     auto._captured.add(SMALL)
-    assert auto._should_capture(True, SMALL)  # warmed: capture on the first call
-    assert not auto._should_capture(True, LARGE) and not auto._should_capture(False, LARGE)
-    auto.horizon = 1
-    assert not auto._should_capture(True, SMALL)  # one call left: eager is cheaper
-    auto.horizon = 5
+    assert auto._should_capture(True, SMALL, 5)  # warmed: capture on the first call
+    assert not auto._should_capture(True, LARGE, 5) and not auto._should_capture(False, LARGE, 5)
+    assert not auto._should_capture(True, SMALL, 1)  # one call left: eager is cheaper
     auto.capture_first = False  # after a failed first-call capture
-    assert not auto._should_capture(True, SMALL) and auto._should_capture(False, SMALL)
-    assert not StepGraphs(torch.device("cpu"), "all")._should_capture(False, SMALL)
+    assert not auto._should_capture(True, SMALL, 5) and auto._should_capture(False, SMALL, 5)
+    assert not StepGraphs(torch.device("cpu"), "all")._should_capture(False, SMALL, None)
 
 
 def test_prepare_tokens_builds_every_grid_length() -> None:
@@ -382,7 +381,7 @@ def test_prepare_tokens_builds_every_grid_length() -> None:
     ex = pipe.family.masked
     key = _template(pipe, 1)
     state = pipe.preprocess(_edit("a", key, (0.2, 0.2, 0.6, 0.6), 3))
-    ctx = ex.context([state])
+    ctx = ex.context([state], pipe.plan_step([state]))
     ctx._tokens.clear()
     ctx.prepare_tokens()
     assert sorted(ctx._tokens) == sorted(state.token_index)
