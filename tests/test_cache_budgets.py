@@ -242,18 +242,25 @@ def test_health_shows_the_gpu_budget_a_worker_reports() -> None:
     import time
     from types import SimpleNamespace
 
+    from instgenie.messages import LoopSteps
     from instgenie.server.config import ServerConfig
     from instgenie.server.health import HealthMonitor
     from instgenie.server.metrics import Metrics
     from instgenie.server.pool import WorkerSlot
+    from instgenie.worker.loop_reports import LoopReports
+    from instgenie.worker.request_table import RequestTable
     from instgenie.worker.stats import worker_stats
+    from instgenie.worker.template_registry import TemplateRegistry
 
+    w = WorkerConfig(cache_root="/c")
+    reports = LoopReports(w)
+    reports.add(LoopSteps(entries=[], cache={"budget_gpu_bytes": 3.0 * GIB, "bytes_dram": 5.0}))
     sup = SimpleNamespace(
-        counters={}, flights={}, templates={}, ready=True, step_offset=0, loop_steps=0,
-        children=[], started=time.monotonic(), server=SimpleNamespace(garbage_frames=0),
-        inbox=SimpleNamespace(garbage_frames=0), w=WorkerConfig(cache_root="/c"),
-        bytes_loaded=0, steps=[], latency=[],
-        cache_stats={"budget_gpu_bytes": 3.0 * GIB, "bytes_dram": 5.0},
+        requests=RequestTable(w), templates=TemplateRegistry(w, lambda i, m: None),
+        children=SimpleNamespace(all=[], ready=True, deaths=0,
+                                 inbox=SimpleNamespace(garbage_frames=0)),
+        loop_reports=reports, started=time.monotonic(), config=Config(worker=w),
+        clients=SimpleNamespace(server=SimpleNamespace(garbage_frames=0)),
     )  # fmt: skip
     stats = worker_stats(sup)
     assert stats["cache_budget_gpu_bytes"] == 3 * GIB and stats["cache_bytes_dram"] == 5

@@ -31,8 +31,8 @@ from instgenie.messages import (
 )
 from instgenie.tensorshm import SHM_DIR
 from instgenie.worker.client import EditHandle, WorkerError, start_worker
+from instgenie.worker.names import shm_base
 from instgenie.worker.stages import capture_uid
-from instgenie.worker.supervisor import shm_base
 from tests.conftest import make_image, make_mask, png_bytes, tiny_pipeline
 
 MODEL = "sd2-inpaint"

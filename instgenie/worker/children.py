@@ -1,15 +1,16 @@
-"""A worker supervisor's children: their records, dispatching work to them, and their lifecycle
-(spawn, watchdog, death, restart). `ChildProcesses` is a mixin of `Supervisor`; it reads and
-writes the supervisor's state: `children`, `by_pid`, `flights`, `queue`, `templates`,
-`to_loop`, `to_post`, `counters`, `step_offset`, `loop_steps`, `closing`, `inline`, `w`,
-`config`, `inbox`, `shm_base`, `was_ready`, and calls its `finish`, `template_done` and
-`give_up`.
+"""The worker's child processes (the loop, and the pre and post processes unless the policy runs
+their stages inline): their records, the channel they write to, and their lifecycle — spawn,
+watchdog verdicts (watchdog.py), death, restart after `restart_backoff_s`.
+
+A death is reported to the owner through `on_death(child, reason, held)`, after the process is
+reaped, with the uids it held; a child that can never start through `on_fatal(why)`.
 
 Invariants: a child's `holding` is exactly the uids sent to it and not yet answered, so a death
 fails those and only those; a child that takes nothing for 5 s, stays silent past the heartbeat
 timeout or makes no progress past the stall timeout is killed and restarted after a backoff; one
 that exits EXIT_MODEL_LOAD (its model cannot be loaded) before the worker was ever ready ends the
-worker (a restart would fail the same way, forever).
+worker (a restart would fail the same way, forever). Every child's shared-memory tensors live
+under `shm_base` (a dead child's own prefix is cleaned up at its death).
 """
 
 from __future__ import annotations
@@ -20,27 +21,18 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import instgenie
-from instgenie.config import to_dict
+from instgenie.config import Config, to_dict
 from instgenie.errors import EXIT_MODEL_LOAD
 from instgenie.ipc import Channel, ipc_address
-from instgenie.messages import (
-    BuildTemplate,
-    EditFailed,
-    Finished,
-    Message,
-    Prepared,
-    RegisterTemplate,
-    Stage,
-    SubmitEdit,
-    TemplateReady,
-    TensorBundle,
-)
-from instgenie.tensorshm import cleanup, process_prefix, release
-from instgenie.worker.names import CAPTURE_PREFIX, capture_uid
+from instgenie.messages import ChildReady, Heartbeat, Message, StopProcess
+from instgenie.tensorshm import cleanup, process_prefix
+from instgenie.worker.names import shm_base
+from instgenie.worker.watchdog import Watchdog
 
 log = logging.getLogger("instgenie.worker")
 
@@ -51,18 +43,12 @@ PRE_DEPTH = 2  # requests handed to one pre process at a time (the rest queue he
 class Child:
     role: str  # "pre" | "loop" | "post"
     index: int
+    watchdog: Watchdog
     proc: subprocess.Popen | None = None
     inbox: Channel | None = None  # PUSH bound by us, one per incarnation
     ready: bool = False
-    started_at: float = 0.0  # monotonic
     restart_at: float = 0.0  # monotonic; when proc is None: spawn at or after this
-    last_beat: float = 0.0
-    last_iterations: int = -1
-    progress_at: float = 0.0  # last time its iterations moved (or it held nothing)
     holding: set[str] = field(default_factory=set)  # uids sent to it and not yet answered
-    running: int = 0  # requests its last heartbeat says it works on (the loop's batch)
-    busy_s: float = 0.0  # how long its main thread has been in one model stage call (doing)
-    busy_stage: str = ""  # that stage call ("encode", "decode"), "" = none
     restarts: int = 0
     codec: bool = True  # it may run image codec work (ChildReady)
 
@@ -74,119 +60,117 @@ class Child:
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else 0
 
+    def sent(self, uid: str) -> None:
+        """`uid` (an edit or a template capture) was sent to this child; it holds it."""
+        self.holding.add(uid)
 
-@dataclass
-class Flight:  # one accepted request
-    uid: str  # internal id "<seq>:<client uid>"
-    client_uid: str
-    identity: bytes
-    msg: SubmitEdit  # with the internal uid
-    accepted_at: float  # monotonic
-    stage: str = "queued"  # "queued" | "pre" | "loop" | "post"
-    holder: Child | None = None
-    bundle: TensorBundle | None = None  # forwarded by us to `holder`
-    preprocess_ms: float = 0.0  # pre process (+ the loop's encode, model_stages="loop")
-    denoise_ms: float = 0.0
-    decode_ms: float = 0.0  # the loop's VAE decode (model_stages="loop")
-
-
-@dataclass
-class Template:
-    msg: RegisterTemplate
-    state: str = "building"  # "building" | "ready" | "failed"
-    waiters: list[bytes] = field(default_factory=list)
-    attempts: int = 0
-    message: str = ""
-    holder: Child | None = None
-    bundle: TensorBundle | None = None
-    queued: bool = False  # a BuildTemplate waits for a ready process
-    registered_at: float = field(default_factory=time.monotonic)
-    build_ms: float = 0.0  # registered -> ready/failed, ms
-    bytes_by_tier: dict[str, int] = field(default_factory=dict)  # from the loop's TemplateReady
-
-    def reply(self) -> TemplateReady:
-        return TemplateReady(template_id=self.msg.template_id, ok=self.state == "ready",
-                             message=self.message, build_ms=self.build_ms,
-                             bytes_by_tier=self.bytes_by_tier)  # fmt: skip
+    def answered(self, uid: str) -> None:
+        """This child answered `uid` (or it was cancelled): it no longer holds it."""
+        self.holding.discard(uid)
 
 
 class ChildProcesses:
-    # ---- dispatch -------------------------------------------------------------------------------
+    def __init__(
+        self,
+        config: Config,
+        *,
+        inline: bool,
+        may_restart: Callable[[], bool],
+        on_death: Callable[[Child, str, list[str]], None],
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        self.config = config  # what every child gets
+        self.w = config.worker
+        self.inline = inline  # no pre/post processes: the loop runs their stages
+        self.may_restart = may_restart  # False once the worker shuts down without draining
+        self.on_death = on_death
+        self.on_fatal = on_fatal
+        #: where every child writes to us (PULL)
+        self.inbox = Channel.pull(ipc_address("sup"), accept=Message, name="sup in")
+        self.shm_base = shm_base(os.getpid())
+        cleanup(self.shm_base)
+        self.all = [self._child("loop", 0)]
+        if not inline:
+            self.all += [self._child("pre", i) for i in range(self.w.num_pre)]
+            self.all += [self._child("post", i) for i in range(self.w.num_post)]
+        self._by_pid: dict[int, Child] = {}
+        self.deaths = 0
+        self.was_ready = False  # every child was ready at once, at least once
+
+    def _child(self, role: str, index: int) -> Child:
+        return Child(role, index, Watchdog(self.w))
+
+    # ---- which child ----------------------------------------------------------------------------
+    @property
+    def loop(self) -> Child:
+        return self.all[0]
+
     @property
     def ready(self) -> bool:
-        return all(c.ready for c in self.children)
+        return all(c.ready for c in self.all)
 
-    def _stage_children(self) -> list[Child]:
+    def of(self, pid: int) -> Child | None:
+        """The child whose current incarnation is `pid`."""
+        return self._by_pid.get(pid)
+
+    def stage_children(self) -> list[Child]:
         """Where templates are registered: the pre processes (the loop under naive)."""
-        return [c for c in self.children if c.role == ("loop" if self.inline else "pre")]
+        return [c for c in self.all if c.role == ("loop" if self.inline else "pre")]
 
-    def dispatch(self) -> None:
-        loop = self.children[0]
-        for t in self.templates.values():  # template captures first: edits may be waiting on them
-            if t.queued:
-                target = loop if self.inline else self._least_loaded("pre", PRE_DEPTH)
-                if target is None or not target.ready:
-                    break
-                t.queued, t.holder = False, target
-                t.attempts += 1
-                target.holding.add(capture_uid(t.msg.template_id))
-                self.send(target, BuildTemplate(template_id=t.msg.template_id))
-        while self.queue:
-            target = loop if self.inline else self._least_loaded("pre", PRE_DEPTH)
-            if target is None or not target.ready:
-                break
-            flight = self.flights[self.queue.popleft()]
-            flight.stage, flight.holder = ("loop" if self.inline else "pre"), target
-            target.holding.add(flight.uid)
-            self.send(target, flight.msg)
-            self.stage_report(flight, Stage.PREPROCESS)
-        while self.to_loop and loop.ready:
-            msg = self.to_loop.popleft()
-            self._hand_over(loop, msg)
-        while self.to_post:
-            post = self._least_loaded("post", 1 << 30)
-            if post is None:
-                break
-            self._hand_over(post, self.to_post.popleft())
+    def entry(self) -> Child | None:
+        """Where the next edit or template capture starts, if one can take it now: the least
+        loaded ready pre process holding fewer than PRE_DEPTH (the loop under naive)."""
+        target = self.loop if self.inline else self.least_loaded("pre", PRE_DEPTH)
+        return target if target is not None and target.ready else None
 
-    def _hand_over(self, target: Child, msg: Prepared | Finished) -> None:
-        owner = self.flights.get(msg.uid) or self.templates.get(msg.uid[len(CAPTURE_PREFIX) :])
-        if owner is not None:
-            owner.holder = target
-        target.holding.add(msg.uid)
-        self.send(target, msg)
-
-    def _least_loaded(self, role: str, depth: int) -> Child | None:
-        ready = [c for c in self.children if c.role == role and c.ready and len(c.holding) < depth]
+    def least_loaded(self, role: str, depth: int) -> Child | None:
+        ready = [c for c in self.all if c.role == role and c.ready and len(c.holding) < depth]
         return min(ready, key=lambda c: len(c.holding), default=None)
 
     def send(self, child: Child, msg: Message) -> None:
         """To a ready child; one that takes nothing for 5 s is treated as dead."""
         assert child.inbox is not None
         if not child.inbox.send(msg, timeout_ms=5000):
-            self.child_died(child, "its inbox stayed full for 5 s")
+            self.died(child, "its inbox stayed full for 5 s")
 
-    # ---- children -------------------------------------------------------------------------------
-    def watchdog(self) -> None:
+    # ---- what they report -----------------------------------------------------------------------
+    def beat(self, msg: Heartbeat) -> None:
+        c = self._by_pid.get(msg.pid)
+        if c is not None:
+            c.watchdog.beat(msg, time.monotonic())
+
+    def mark_ready(self, msg: ChildReady) -> Child | None:
+        """The child that sent `msg`, now ready (None: an incarnation already gone)."""
+        c = self._by_pid.get(msg.pid)
+        if c is None:
+            return None
+        c.ready, c.codec = True, msg.codec
+        c.watchdog.ready(time.monotonic())
+        log.info("%s ready (pid %d)", c.name, c.pid)
+        return c
+
+    def first_ready(self) -> bool:
+        """True exactly once: the first time every child is ready."""
+        if self.was_ready or not self.ready:
+            return False
+        self.was_ready = True
+        return True
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def watch(self) -> None:
+        """Spawn children due for a (re)start; kill and reap the dead, stuck and silent."""
         now = time.monotonic()
-        w = self.w
-        for c in self.children:
+        for c in self.all:
             if c.proc is None:
-                if (self.closing is None or self.closing.drain) and now >= c.restart_at:
+                if self.may_restart() and now >= c.restart_at:
                     self.spawn(c)
                 continue
             rc = c.proc.poll()
             if rc == EXIT_MODEL_LOAD and not self.was_ready:
-                self.give_up(f"{c.name} could not load its model (its error is logged above)")
-                self.child_died(c, f"exited with status {rc}")
-            elif rc is not None:
-                self.child_died(c, f"exited with status {rc}")
-            elif not c.ready and now - c.started_at > w.start_timeout_s:
-                self.child_died(c, f"not ready after {w.start_timeout_s:.0f} s")
-            elif c.ready and now - c.last_beat > w.heartbeat_timeout_s:
-                self.child_died(c, f"no heartbeat for {now - c.last_beat:.1f} s")
-            elif c.ready and now - c.progress_at > w.stall_timeout_s:
-                self.child_died(c, f"no progress for {now - c.progress_at:.1f} s")
+                self.on_fatal(f"{c.name} could not load its model (its error is logged above)")
+            why = f"exited with status {rc}" if rc is not None else c.watchdog.verdict(c.ready, now)
+            if why:
+                self.died(c, why)
 
     def spawn(self, c: Child) -> None:
         c.inbox = Channel.push(ipc_address(c.name), bind=True, name=f"{c.name} inbox")
@@ -200,53 +184,46 @@ class ChildProcesses:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", "instgenie.worker.lifeline", "child", json.dumps(spec)]
         c.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-        c.started_at = c.last_beat = c.progress_at = time.monotonic()
-        c.ready, c.last_iterations, c.running, c.busy_s = False, -1, 0, 0.0
-        self.by_pid[c.proc.pid] = c
+        c.ready = False
+        c.watchdog.started(time.monotonic())
+        self._by_pid[c.proc.pid] = c
         log.info("started %s (pid %d)", c.name, c.proc.pid)
 
-    def child_died(self, c: Child, reason: str) -> None:
-        """Kill (if needed) and reap `c`, fail what it held, schedule its restart."""
+    def died(self, c: Child, reason: str) -> None:
+        """Kill (if needed) and reap `c`, schedule its restart, report what it held."""
         assert c.proc is not None
         pid = c.proc.pid
         if c.proc.poll() is None:
             c.proc.kill()
         c.proc.wait()
-        again = self.closing is None or self.closing.drain
         log.error("%s (pid %d) died: %s; %s", c.name, pid, reason,
-                  "restarting" if again else "not restarted")  # fmt: skip
-        self.counters["child_deaths"] += 1
-        self.by_pid.pop(pid, None)
+                  "restarting" if self.may_restart() else "not restarted")  # fmt: skip
+        self.deaths += 1
+        self._by_pid.pop(pid, None)
         cleanup(process_prefix(self.shm_base, pid))
         if c.inbox is not None:
             c.inbox.close()
         c.proc, c.inbox, c.ready = None, None, False
         c.restarts += 1
         c.restart_at = time.monotonic() + self.w.restart_backoff_s
-        if c.role == "loop":
-            self.step_offset += self.loop_steps
-            self.loop_steps = 0
-        why = f"worker process {c.name} died ({reason}); the request may be retried"
-        for uid in sorted(c.holding):
-            if uid.startswith(CAPTURE_PREFIX):
-                self._capture_lost(uid[len(CAPTURE_PREFIX) :], why)
-                continue
-            flight = self.flights.get(uid)
-            if flight is not None:
-                if flight.bundle is not None:
-                    release(flight.bundle)
-                self.finish(flight, EditFailed(uid=uid, code="worker_died", message=why,
-                                               retryable=True))  # fmt: skip
+        held = sorted(c.holding)
         c.holding.clear()
+        self.on_death(c, reason, held)
 
-    def _capture_lost(self, tid: str, why: str) -> None:
-        t = self.templates.get(tid)
-        if t is None:
-            return
-        if t.bundle is not None:
-            release(t.bundle)
-        t.holder, t.bundle = None, None
-        if t.attempts >= self.w.max_template_attempts:
-            self.template_done(tid, False, f"{why}; gave up after {t.attempts} attempts")
-        else:
-            t.queued = True
+    def close(self) -> None:
+        """Stop every child (10 s in all, then kill), close the channels, clean up shm."""
+        for c in self.all:
+            if c.inbox is not None and c.proc is not None and c.proc.poll() is None:
+                c.inbox.send(StopProcess(drain=False, reason="worker exit"), timeout_ms=100)
+        deadline = time.monotonic() + 10
+        for c in self.all:
+            if c.proc is not None:
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+            if c.inbox is not None:
+                c.inbox.close()
+        cleanup(self.shm_base)
+        self.inbox.close()
