@@ -24,7 +24,7 @@ from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
-from instgenie.worker.child import make_store
+from instgenie.worker.child_runtime import make_store
 from tests.conftest import make_image, make_mask, png_bytes
 
 STEPS, ROWS, L, C = 2, 2, 16, 8

@@ -19,7 +19,7 @@ from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
 from instgenie.messages import EditFailed, Finished, TemplateReady
 from instgenie.tensorshm import process_prefix, release
-from instgenie.worker.child import make_store
+from instgenie.worker.child_runtime import make_store
 from instgenie.worker.loop import Loop
 from instgenie.worker.names import capture_uid
 from tests.conftest import make_image, make_mask, png_bytes

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from instgenie.config import WorkerConfig
 from instgenie.messages import EditFailed, Heartbeat, Message, RegisterTemplate, SubmitEdit
-from instgenie.worker.children import Child
+from instgenie.worker.child_processes import Child
 from instgenie.worker.request_table import RequestTable
 from instgenie.worker.template_registry import TemplateRegistry
 from instgenie.worker.watchdog import Watchdog

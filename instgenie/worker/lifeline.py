@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "child" or spec.get("die_with_parent"):
         die_with_parent(spec.get("parent"))
     if argv[0] == "child":
-        from instgenie.worker.child import main as child_main
+        from instgenie.worker.child_runtime import main as child_main
     else:
         from instgenie.worker.supervisor import main as child_main
     return child_main([argv[1]])

@@ -53,7 +53,7 @@ from instgenie.messages import (
 from instgenie.scheduler.batching import get_policy
 from instgenie.tensorshm import pack, release, unpack
 from instgenie.worker.batcher import Batcher, Retired
-from instgenie.worker.child import ChildRuntime, release_bundles, resolve_device_budget
+from instgenie.worker.child_runtime import ChildRuntime, release_bundles, resolve_device_budget
 from instgenie.worker.names import CAPTURE_PREFIX
 from instgenie.worker.stages import Stages, capture_uid, failure
 from instgenie.worker.state_wire import from_parts, inputs_from_parts, to_parts

@@ -13,7 +13,7 @@ import torch
 
 from instgenie.messages import Finished
 from instgenie.tensorshm import unpack
-from instgenie.worker.child import ChildRuntime
+from instgenie.worker.child_runtime import ChildRuntime
 from instgenie.worker.stages import Stages, failure
 from instgenie.worker.state_wire import decoded_image, from_parts
 

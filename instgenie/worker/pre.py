@@ -24,7 +24,7 @@ from instgenie.messages import (
     TemplateReady,
 )
 from instgenie.tensorshm import pack, release
-from instgenie.worker.child import ChildRuntime
+from instgenie.worker.child_runtime import ChildRuntime
 from instgenie.worker.stages import Stages, capture_uid, failure
 from instgenie.worker.state_wire import inputs_to_parts, to_parts
 

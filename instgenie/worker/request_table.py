@@ -25,7 +25,7 @@ from instgenie.messages import (
     SubmitEdit,
     TensorBundle,
 )
-from instgenie.worker.children import Child
+from instgenie.worker.child_processes import Child
 
 MAX_UID_CHARS = 256
 

@@ -69,7 +69,7 @@ from instgenie.messages import (
 )
 from instgenie.scheduler.batching import get_policy
 from instgenie.tensorshm import release
-from instgenie.worker.children import Child, ChildProcesses
+from instgenie.worker.child_processes import Child, ChildProcesses
 from instgenie.worker.client_socket import ClientSocket
 from instgenie.worker.loop_reports import LoopReports
 from instgenie.worker.names import CAPTURE_PREFIX

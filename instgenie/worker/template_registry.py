@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from instgenie.config import WorkerConfig
 from instgenie.messages import Message, Prepared, RegisterTemplate, TemplateReady, TensorBundle
 from instgenie.tensorshm import release
-from instgenie.worker.children import Child
+from instgenie.worker.child_processes import Child
 from instgenie.worker.names import capture_uid
 
 _TEMPLATE_ID = re.compile(r"[0-9a-f]{64}")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from instgenie.messages import BuildTemplate, Finished, Message, Prepared, Stage
 from instgenie.tensorshm import release
-from instgenie.worker.children import Child, ChildProcesses
+from instgenie.worker.child_processes import Child, ChildProcesses
 from instgenie.worker.names import CAPTURE_PREFIX, capture_uid
 from instgenie.worker.request_table import RequestTable
 from instgenie.worker.template_registry import TemplateRegistry
