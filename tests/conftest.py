@@ -22,7 +22,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 # empty one means no host cache (templates in the loop's device memory, as every test that names
 # no cache root expects). Set here, before anything runs, so that the worker and server
 # subprocesses inherit it and nothing ever writes into the user's ~/.cache or /dev/shm segments
-# that outlive the run; tests of the derivation pass their own probes (tests/test_cache_budgets.py)
+# that outlive the run; tests of the derivation pass their own probes (tests/cache/test_budgets.py)
 # or set the variable themselves.
 os.environ["INSTGENIE_CACHE_ROOT"] = ""
 

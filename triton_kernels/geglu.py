@@ -17,7 +17,7 @@ the GPU; the CPU interpreter has no erfc/normcdf); torch's CUDA kernel computes 
 which keeps relative accuracy far into the negative tail. The two gelus differ by at most
 |g| * 2**-23 in float32; after the two roundings, at SDXL shapes 2 % of fp16 (1.3 % of bf16)
 outputs differ from torch's, each by at most two ulps plus |h * g| * 2**-22 (H200,
-tests/test_gpu_masked.py).
+tests/engine/test_gpu_masked.py).
 `geglu_reference` (torch's ops) is what runs where Triton cannot.
 """
 

@@ -20,7 +20,7 @@ Invariants: every result of an eligible call comes from the tower's graph, so a 
 the same bits on its first and later requests (and after a prompt-cache eviction). A replay runs
 the captured kernels, which cuBLAS may pick differently from the eager forward's under capture:
 float32 replays equal the eager forward bit for bit; float16 ones can differ in the last bit
-(tests/test_encoder_graphs.py, marked gpu; docs/benchmarks/stages-h100.md). Ineligible calls
+(tests/engine/test_encoder_graphs.py, marked gpu; docs/benchmarks/stages-h100.md). Ineligible calls
 run the tower's own forward: no CUDA, autograd on, a dispatch mode active (FLOP counting), a
 capture already running on this stream, inputs on another device, a non-tensor argument that
 cannot be hashed. A failed capture turns the tower's graphs off for the process (logged once).

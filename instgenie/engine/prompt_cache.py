@@ -9,7 +9,7 @@ mode, no dropout), so a hit returns the tensors encoding would return.
 Invariants: capacity and `bytes` are in bytes of tensor storage (numel * element size); an
 entry larger than the whole capacity is not kept; capacity 0 keeps nothing. The returned tensors
 are shared by every request that hits: consumers must not write to them (the families
-concatenate or copy them into each step's inputs; tests/test_stage_work.py checks that a
+concatenate or copy them into each step's inputs; tests/engine/test_stage_work.py checks that a
 request's output is unchanged by its prompt being cached).
 """
 

@@ -2,7 +2,7 @@
 it, and the working size of an image under the oversize policy (LimitsConfig.oversize).
 
 Pure Python (no torch): the API process resolves the same limits its workers apply. The native
-sides match the adapters' `default_size` (tests/test_admission.py checks the tiny ones):
+sides match the adapters' `default_size` (tests/server/test_admission.py checks the tiny ones):
 `full` and local checkpoints work at their family's published resolution, every `tiny` model at
 128 pixels (UNet/transformer sample size x the tiny VAE's 4x downscale).
 """

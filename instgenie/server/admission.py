@@ -27,7 +27,7 @@ from instgenie.server.errors import ApiError
 #: max_request_cost = 0: this many native edits. An edit at the default pixel cap (4x the native
 #: area) with the default steps costs 7-13 of them on the tiny models (attention grows with the
 #: square of the tokens), at twice the default steps 13-25: both fit; a 4096^2 image at one step
-#: costs thousands (tests/test_admission.py)
+#: costs thousands (tests/server/test_admission.py)
 DEFAULT_COST_BUDGET = 32.0
 
 

@@ -5,7 +5,7 @@ keys/values cover every image token. Rotary embeddings: queries take the table r
 positions (`JointSet.pos_in_row`), keys the full table. Everything else (AdaLN modulation,
 projections, MLPs) is per token and runs on the packed query rows only, with each packed row's
 modulation parameters gathered from its batch row. With every token selected this reproduces the
-stock blocks (tests/test_masked_exact.py).
+stock blocks (tests/engine/test_masked_exact.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ tokens T of all rows (MODELS.md recipe, generalised to a varlen batch):
     h += ff(norm3(h))
     Y  = cached block output, with Y[T] = h        rows not reading the cache have T = all tokens
 
-With every token selected this computes exactly the stock block (tests/test_masked_exact.py).
+With every token selected this computes exactly the stock block (tests/engine/test_masked_exact.py).
 """
 
 from __future__ import annotations
