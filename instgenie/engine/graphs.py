@@ -14,10 +14,10 @@ consecutive steps, so each composition is captured once and replayed:
 Cached rows are read inside the graph from the store's per-block stack (`handle.block_steps`) at
 a step index held in a device tensor (triton_kernels/step_copy.py on CUDA, `index_select`
 elsewhere), so one graph serves every step of its composition.
-Invariant: a replay runs the same kernels in the same order as the eager graph form, which in
-turn computes exactly what the plain masked path computes (tests/engine/test_graphs.py on CPU
-checks the graph form; tests marked gpu check replay). A failed capture turns graphs off for the executor
-and the step runs eagerly (logged once).
+Invariant: a replay runs the same kernels in the same order as the eager graph form, which in turn
+computes exactly what the plain masked path computes (tests/engine/test_graphs.py on CPU checks the
+graph form; tests marked gpu check replay). A failed capture turns graphs off for the executor and
+the step runs eagerly (logged once).
 
 Whether and when a composition is captured (INSTGENIE_GRAPH_CAPTURE, decision 0020):
 - "always": every eligible composition on its second call (the behaviour above).
@@ -394,9 +394,9 @@ def end_failed_capture(device: torch.device) -> None:
     """Leave the device usable after a capture that raised. Such a capture never runs the CUDA
     generators' capture epilogue: the default generator stays marked as capturing and every later
     random op on the device fails ("Offset increment outside graph capture encountered
-    unexpectedly"), e.g. the next model build or `torch.randn`. A capture that ends normally
-    clears the mark, so one trivial graph is captured and dropped
-    (tests/engine/test_encoder_graphs.py, marked gpu, checks `torch.randn` after a failed capture)."""
+    unexpectedly"), e.g. the next model build or `torch.randn`. A capture that ends normally clears
+    the mark, so one trivial graph is captured and dropped (tests/engine/test_encoder_graphs.py,
+    marked gpu, checks `torch.randn` after a failed capture)."""
     torch.cuda.synchronize(device)
     try:
         with torch.cuda.device(device):

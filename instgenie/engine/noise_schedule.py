@@ -6,10 +6,10 @@ once from a private copy of the pipeline's scheduler, and one step for the whole
 element-wise ops with per-sample sigmas of shape (B, 1, ...).
 
 Exactness: the operations are diffusers' own, in the same order, so in float32 the result equals
-`scheduler.step` bit for bit (tests/engine/test_noise_schedule.py). In float16/bfloat16
-diffusers combines the low-precision model output with a 0-d float32 sigma, and PyTorch sometimes rounds that scalar to
-float16 first and sometimes not (it differs by op and device: CPU `mul` rounds, `div` and CUDA
-CPU-scalar operands do not). Here the scalar products are always taken in float32 and rounded
+`scheduler.step` bit for bit (tests/engine/test_noise_schedule.py). In float16/bfloat16 diffusers
+combines the low-precision model output with a 0-d float32 sigma, and PyTorch sometimes rounds that
+scalar to float16 first and sometimes not (it differs by op and device: CPU `mul` rounds, `div` and
+CUDA CPU-scalar operands do not). Here the scalar products are always taken in float32 and rounded
 once, so low-precision results agree with diffusers to within one rounding of those products.
 Only Euler-family schedulers are supported: multistep ones (PNDM, DPM++) keep history that is
 per-request state we do not carry; SD2's default PNDM is replaced by Euler (see MODELS.md).

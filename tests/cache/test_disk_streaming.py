@@ -30,8 +30,8 @@ from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
 from instgenie.scheduler.batching import get_policy
 from instgenie.worker.batcher import Batcher
-from tests.conftest import make_image, make_mask, png_bytes
 from tests.cache.test_tiered import template
+from tests.conftest import make_image, make_mask, png_bytes
 
 LAYOUT = TemplateLayout(5, 2, "bfloat16", ((48, 32), (24, 16)), (1, 4, 8, 8))
 N = LAYOUT.nbytes

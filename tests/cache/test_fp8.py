@@ -13,8 +13,8 @@ from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
-from tests.conftest import make_image, make_mask, png_bytes
 from tests.cache.test_loader import SimEngine
+from tests.conftest import make_image, make_mask, png_bytes
 
 
 def test_quantisation_error_and_size() -> None:

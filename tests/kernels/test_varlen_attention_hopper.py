@@ -1,9 +1,9 @@
 """The Gluon Hopper attention kernel compiles for sm_90 on a machine without a GPU.
 
 Gluon kernels have no interpreter, so CPU runs cannot execute it; its numerics are tested on the
-device (tests/kernels/test_varlen_attention.py::TestGpu, which it serves for head dim 128
-there). Here it is compiled ahead of time for an H100/H200 target with the installed Triton and ptxas, and the
-machine code is checked for what the design depends on:
+device (tests/kernels/test_varlen_attention.py::TestGpu, which it serves for head dim 128 there).
+Here it is compiled ahead of time for an H100/H200 target with the installed Triton and ptxas, and
+the machine code is checked for what the design depends on:
 
 * warp specialization (a producer and consumer partitions) in the Triton GPU IR;
 * every tensor-core instruction a 64 x 128 x 16 warp-group MMA with fp32 accumulation, 96 of
