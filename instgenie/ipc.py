@@ -1,4 +1,4 @@
-"""Typed ZMQ endpoints: every message is one frame made by messages.encode (msgpack, never pickle).
+"""Typed ZMQ endpoints: every message is one frame made by wire.encode (msgpack, never pickle).
 
 - Channel: PUSH/PULL, one direction (a worker's processes: pre -> loop -> post -> supervisor).
 - Server: ROUTER, `recv() -> (identity, message)`, `send(identity, message)` (the supervisor).
@@ -39,7 +39,7 @@ from typing import Any
 
 import zmq
 
-from instgenie.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode, encode
+from instgenie.wire import MAX_MESSAGE_BYTES, Message, MessageError, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ import zmq
 
 from instgenie import ipc
 from instgenie import messages as m
+from instgenie import wire as w
 
 SUBMIT = m.SubmitEdit(uid="u1", image=b"\x89PNG", mask=b"m", prompt="hat", seed=3)
 GARBAGE = [
@@ -27,9 +28,9 @@ GARBAGE = [
     b"\xc1",
     os.urandom(64),
     msgpack.packb([1, 2, 3]),
-    msgpack.packb(["Nope", m.SCHEMA_VERSION, {}]),
-    msgpack.packb(["Cancel", m.SCHEMA_VERSION + 1, {"uid": "u"}]),
-    m.encode(m.Cancel(uid="u"))[:-1],  # truncated
+    msgpack.packb(["Nope", w.SCHEMA_VERSION, {}]),
+    msgpack.packb(["Cancel", w.SCHEMA_VERSION + 1, {"uid": "u"}]),
+    w.encode(m.Cancel(uid="u"))[:-1],  # truncated
 ]
 
 
@@ -98,10 +99,10 @@ def test_garbage_frames_are_counted_and_survived(
 ) -> None:
     addr = ipc.ipc_address("g")
     if kind == "server":
-        ep: ipc.Endpoint = ipc.Server(addr, accept=m.ClientToWorker, log_every=3)
+        ep: ipc.Endpoint = ipc.Server(addr, accept=w.ClientToWorker, log_every=3)
         raw = ipc.context().socket(zmq.DEALER)
     else:
-        ep = ipc.Channel.pull(addr, accept=m.ClientToWorker, log_every=3)
+        ep = ipc.Channel.pull(addr, accept=w.ClientToWorker, log_every=3)
         raw = ipc.context().socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(addr)
@@ -109,14 +110,14 @@ def test_garbage_frames_are_counted_and_survived(
         for frame in GARBAGE:
             raw.send(frame)
         raw.send_multipart([b"two", b"frames"])
-        raw.send(m.encode(m.Abort(uid="u1", reason="x")))  # valid, but not client -> worker
-        raw.send(m.encode(SUBMIT))
+        raw.send(w.encode(m.Abort(uid="u1", reason="x")))  # valid, but not client -> worker
+        raw.send(w.encode(SUBMIT))
         with caplog.at_level(logging.WARNING, logger="instgenie.ipc"):
             got = ep.recv(2000)
         assert (got[1] if isinstance(got, tuple) else got) == SUBMIT
         assert ep.garbage_frames == len(GARBAGE) + 2
         assert len(caplog.records) == 3  # the 1st, 4th and 7th of 9
-        raw.send(m.encode(m.Cancel(uid="again")))
+        raw.send(w.encode(m.Cancel(uid="again")))
         got = ep.recv(2000)
         assert (got[1] if isinstance(got, tuple) else got) == m.Cancel(uid="again")
     finally:
@@ -129,14 +130,14 @@ def test_maxmsgsize_and_linger_are_set_and_enforced() -> None:
     with ipc.Server(addr, max_message_bytes=4096) as srv, ipc.ClientSocket(addr) as cli:
         for ep in (srv, cli):
             assert ep.socket.getsockopt(zmq.MAXMSGSIZE) == (
-                4096 if ep is srv else m.MAX_MESSAGE_BYTES
+                4096 if ep is srv else w.MAX_MESSAGE_BYTES
             )
             assert ep.socket.getsockopt(zmq.LINGER) == 0
         big = m.SubmitEdit(uid="big", image=b"x" * 10_000, mask=b"", prompt="", seed=0)
         assert cli.send(big)  # libzmq drops it at the server and disconnects the peer
         assert srv.recv(200) is None
         with ipc.ClientSocket(addr, max_message_bytes=4096) as small:
-            with pytest.raises(m.MessageError):  # the sender learns at once
+            with pytest.raises(w.MessageError):  # the sender learns at once
                 small.send(big)
             assert small.send(SUBMIT)
             assert srv.recv(2000)[1] == SUBMIT  # type: ignore[index]

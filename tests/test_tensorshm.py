@@ -23,9 +23,8 @@ from instgenie.messages import (
     StateMeta,
     TensorBundle,
     TensorRef,
-    decode,
-    encode,
 )
+from instgenie.wire import decode, encode
 
 PARAMS = EditParams(uid="u", prompt="p", seed=0)
 STATE_META = StateMeta(uid="u", request=PARAMS, guidance_scale=1.0, num_rows=1, step_index=2,

@@ -27,12 +27,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from instgenie.messages import EditDone, MessageError, Progress, SubmitEdit
+from instgenie.messages import EditDone, Progress, SubmitEdit
 from instgenie.scheduler.routing import RoutingPolicy
 from instgenie.scheduler.views import RouteRequest
 from instgenie.server.config import ServerConfig
 from instgenie.server.errors import ApiError, from_worker
 from instgenie.server.pool import WorkerPool, WorkerSlot
+from instgenie.wire import MessageError
 from instgenie.worker.client import WorkerError
 
 #: why a request that timed out never started

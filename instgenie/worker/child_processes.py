@@ -29,8 +29,9 @@ import instgenie
 from instgenie.config import Config, to_dict
 from instgenie.errors import EXIT_MODEL_LOAD
 from instgenie.ipc import Channel, ipc_address
-from instgenie.messages import ChildReady, Heartbeat, Message, StopProcess
+from instgenie.messages import ChildReady, Heartbeat, StopProcess
 from instgenie.tensorshm import cleanup, process_prefix
+from instgenie.wire import Message
 from instgenie.worker.names import shm_base
 from instgenie.worker.watchdog import Watchdog
 

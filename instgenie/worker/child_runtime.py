@@ -41,13 +41,13 @@ from instgenie.messages import (
     ChildReady,
     CostSpec,
     Heartbeat,
-    Message,
     Ping,
     Pong,
     StopProcess,
     TensorBundle,
 )
 from instgenie.tensorshm import process_prefix, release
+from instgenie.wire import Message
 
 log = logging.getLogger("instgenie.worker")
 

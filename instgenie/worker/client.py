@@ -44,8 +44,6 @@ from instgenie.messages import (
     EditFailed,
     GetStats,
     GetStepLog,
-    Message,
-    MessageError,
     Progress,
     RegisterTemplate,
     Shutdown,
@@ -54,8 +52,8 @@ from instgenie.messages import (
     StepLog,
     SubmitEdit,
     TemplateReady,
-    WorkerToClient,
 )
+from instgenie.wire import Message, MessageError, WorkerToClient
 from instgenie.worker.names import shm_base
 
 log = logging.getLogger("instgenie.worker.client")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 
 from instgenie.ipc import Server
-from instgenie.messages import ClientToWorker, EditDone, EditFailed, Message, TemplateReady
+from instgenie.messages import EditDone, EditFailed, TemplateReady
+from instgenie.wire import ClientToWorker, Message
 
 log = logging.getLogger("instgenie.worker")
 

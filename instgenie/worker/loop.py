@@ -39,7 +39,6 @@ from instgenie.messages import (
     Finished,
     InputsMeta,
     LoopSteps,
-    Message,
     Ping,
     Pong,
     Prepared,
@@ -52,6 +51,7 @@ from instgenie.messages import (
 )
 from instgenie.scheduler.batching import get_policy
 from instgenie.tensorshm import pack, release, unpack
+from instgenie.wire import Message
 from instgenie.worker.batcher import Batcher, Retired
 from instgenie.worker.child_runtime import ChildRuntime, release_bundles, resolve_device_budget
 from instgenie.worker.names import CAPTURE_PREFIX

@@ -55,7 +55,6 @@ from instgenie.messages import (
     GetStepLog,
     Heartbeat,
     LoopSteps,
-    Message,
     Prepared,
     Progress,
     RegisterTemplate,
@@ -69,6 +68,7 @@ from instgenie.messages import (
 )
 from instgenie.scheduler.batching import get_policy
 from instgenie.tensorshm import release
+from instgenie.wire import Message
 from instgenie.worker.child_processes import Child, ChildProcesses
 from instgenie.worker.client_socket import ClientSocket
 from instgenie.worker.loop_reports import LoopReports

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from instgenie.config import WorkerConfig
-from instgenie.messages import Message, Prepared, RegisterTemplate, TemplateReady, TensorBundle
+from instgenie.messages import Prepared, RegisterTemplate, TemplateReady, TensorBundle
 from instgenie.tensorshm import release
+from instgenie.wire import Message
 from instgenie.worker.child_processes import Child
 from instgenie.worker.names import capture_uid
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from instgenie.messages import BuildTemplate, Finished, Message, Prepared, Stage
+from instgenie.messages import BuildTemplate, Finished, Prepared, Stage
 from instgenie.tensorshm import release
+from instgenie.wire import Message
 from instgenie.worker.child_processes import Child, ChildProcesses
 from instgenie.worker.names import CAPTURE_PREFIX, capture_uid
 from instgenie.worker.request_table import RequestTable

@@ -32,6 +32,7 @@ CHILD = textwrap.dedent(
         raise SystemExit("the torch block failed")
 
     import instgenie.messages  # the wire types import the scheduler's specs
+    import instgenie.wire
     from instgenie.scheduler.fits import Profile, check_profile
     from instgenie.scheduler.planner import plan_step
     from instgenie.scheduler.pricing import RequestWork, step_costs
@@ -49,7 +50,7 @@ CHILD = textwrap.dedent(
     spec = CostSpec(model=profile.model, granule=32, text_len=77, cfg=True,
                     default_guidance=5.0, default_steps=20, cache_dtype="float16",
                     blocks=blocks, **profile_fits(profile))
-    assert instgenie.messages.decode(instgenie.messages.encode(
+    assert instgenie.wire.decode(instgenie.wire.encode(
         instgenie.messages.Stats(counters={}, cost=spec))).cost == spec
 
     px, ratios = 1024 * 1024, ((16, 0.1), (32, 0.12))

@@ -5,7 +5,8 @@ processes dying and stalling: test_worker.py, test_worker_failures.py.)"""
 from __future__ import annotations
 
 from instgenie.config import WorkerConfig
-from instgenie.messages import EditFailed, Heartbeat, Message, RegisterTemplate, SubmitEdit
+from instgenie.messages import EditFailed, Heartbeat, RegisterTemplate, SubmitEdit
+from instgenie.wire import Message
 from instgenie.worker.child_processes import Child
 from instgenie.worker.request_table import RequestTable
 from instgenie.worker.template_registry import TemplateRegistry

@@ -21,15 +21,9 @@ from instgenie.config import Config, ModelConfig, WorkerConfig
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
 from instgenie.ipc import ClientSocket, ipc_dir_prefix
-from instgenie.messages import (
-    EditDone,
-    Progress,
-    RegisterTemplate,
-    StepEntry,
-    SubmitEdit,
-    WorkerToClient,
-)
+from instgenie.messages import EditDone, Progress, RegisterTemplate, StepEntry, SubmitEdit
 from instgenie.tensorshm import SHM_DIR
+from instgenie.wire import WorkerToClient
 from instgenie.worker.client import EditHandle, WorkerError, start_worker
 from instgenie.worker.names import shm_base
 from instgenie.worker.stages import capture_uid
