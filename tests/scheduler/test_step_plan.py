@@ -90,7 +90,8 @@ _SIDE_CHANNELS = re.compile(
 
 def test_no_component_sets_a_step_input_on_another() -> None:
     hits = []
-    for path in [*ROOT.joinpath("instgenie").rglob("*.py"), *ROOT.joinpath("bench").rglob("*.py")]:
+    roots = ("instgenie", "bench", "tests")  # tests too: they pass plans, not attributes
+    for path in [p for r in roots for p in ROOT.joinpath(r).rglob("*.py") if p != Path(__file__)]:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if _SIDE_CHANNELS.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
