@@ -2,8 +2,8 @@
 
 A family adapter is a thin layer over a diffusers pipeline object: it reuses the pipeline's own
 prompt encoding, image processors, VAE encode and latent preparation (so pre-processing matches
-diffusers exactly), and replaces only the denoising loop with `denoise_step(batch)`, whose batch
-may mix requests at different steps.
+diffusers exactly), and replaces only the denoising loop with `denoise_step(batch, plan)`, whose
+batch may mix requests at different steps (plan: the step's StepPlan, scheduler/step.py).
 """
 
 from __future__ import annotations

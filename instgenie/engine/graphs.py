@@ -19,7 +19,7 @@ computes exactly what the plain masked path computes (tests/engine/test_graphs.p
 graph form; tests marked gpu check replay). A failed capture turns graphs off for the executor and
 the step runs eagerly (logged once).
 
-Whether and when a composition is captured (INSTGENIE_GRAPH_CAPTURE, decision 0020):
+Whether and when a composition is captured (ExecConfig.graph_capture, decision 0020):
 - "always": every eligible composition on its second call (the behaviour above).
 - "auto" (default): only when it is expected to pay before the composition changes. The serving
   loop passes each step's `horizon`: the steps until the batch's first member finishes (an upper
@@ -35,7 +35,7 @@ Whether and when a composition is captured (INSTGENIE_GRAPH_CAPTURE, decision 00
   (`StepContext.prepare_tokens`). Under continuous batching every join or leave is a new
   composition. If such a first-call capture fails, the process warms up first from then on.
 
-Modes (INSTGENIE_CUDA_GRAPHS): "all" (default) graphs every eligible batch, "masked" only
+Modes (ExecConfig.cuda_graphs): "all" (default) graphs every eligible batch, "masked" only
 batches that read a template cache, "off" none. Ineligible: CPU, capture runs (block outputs are
 handed to a writer), timers, caches without per-block stacks readable on the device (fp8),
 an active dispatch mode (FLOP counting).

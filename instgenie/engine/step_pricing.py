@@ -11,6 +11,7 @@ worker's own CostSpec (the one it sends to the router, engine/costspec.py), and 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from instgenie.engine.masked.context import composition_key
@@ -18,6 +19,8 @@ from instgenie.engine.request import RequestState
 from instgenie.scheduler.planner import BlockCosts, Plan, plan_step
 from instgenie.scheduler.pricing import RequestWork, step_costs
 from instgenie.scheduler.spec import CostSpec
+
+log = logging.getLogger("instgenie.engine")
 
 
 class StepPricer:
@@ -61,6 +64,11 @@ class StepPricer:
         so a batch of the same requests (composition_key) reuses the last plan."""
         key = composition_key(batch)
         if key != self._last_key or self.last_plan is None:
-            self.last_plan = plan_step(self.costs(batch))
+            try:
+                costs = self.costs(batch)
+            except ValueError as e:  # grids the spec cannot price: plan nothing, never fail
+                log.warning("load planner: %s; every block reads the cache this step", e)
+                return frozenset()
+            self.last_plan = plan_step(costs)
             self._last_key = key
         return frozenset(self.last_plan.compute_all)

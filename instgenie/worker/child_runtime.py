@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # a model (device, dtype, profile) that cannot be loaded will not load on a restart
         # either: say why in one line and exit EXIT_MODEL_LOAD; a supervisor that was never
-        # ready gives up on it (children.py, watchdog)
+        # ready gives up on it (child_processes.py, watchdog.py)
         expected = isinstance(exc, (ModelLoadError, ValueError, OSError))
         log.error("could not start: %s: %s", type(exc).__name__, exc, exc_info=not expected)
         return EXIT_MODEL_LOAD

@@ -9,7 +9,7 @@ Under `naive-continuous` there are no pre/post processes: SubmitEdit goes straig
 
 Its parts, each owning its state:
 - `ClientSocket` (client_socket.py): the clients heard from, and replies to them;
-- `ChildProcesses` (children.py): spawn, watchdog, death and restart of pre/loop/post;
+- `ChildProcesses` (child_processes.py): spawn, watchdog, death and restart of pre/loop/post;
 - `RequestTable` (request_table.py): the requests in flight;
 - `TemplateRegistry` (template_registry.py): template builds and the clients waiting for them;
 - `WorkQueues` (work_queues.py): work waiting for a process, handed over by `dispatch`;

@@ -4,7 +4,7 @@ A child is dead when it is not ready `start_timeout_s` after its start, silent (
 `heartbeat_timeout_s`, or makes no progress for `stall_timeout_s`. Progress is its loop iteration
 count moving, holding nothing, or a model stage call (`ChildRuntime.doing`: encode, decode) that
 has run for less than `stage_timeout_s`; past that limit the child is stuck whether or not it
-holds requests. The process set (children.py) acts on the verdict; this only judges.
+holds requests. The process set (child_processes.py) acts on the verdict; this only judges.
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ class AdapterBase:
         except Exception as exc:  # diffusers raises many types; report them as one load error
             raise ModelLoadError(f"could not load {cls.name} from {path}: {exc}") from exc
         if not isinstance(pipe.scheduler, cls.scheduler_cls):
-            # batched stepping needs a single-step Euler-family scheduler (schedule.py)
+            # batched stepping needs a single-step Euler-family scheduler (noise_schedule.py)
             log.info(
                 "replacing %s by %s", type(pipe.scheduler).__name__, cls.scheduler_cls.__name__
             )
