@@ -103,6 +103,28 @@ def test_mixed_plan_loads_only_some_blocks() -> None:
     assert best.latency_ms < min(best.all_cache_ms, best.all_full_ms)
 
 
+def test_grids_the_spec_cannot_price_plan_nothing_and_the_step_runs(caplog) -> None:  # noqa: ANN001
+    """A cache whose token grids are not the ones the spec derives from the working size (not
+    reachable with the granule's sizes; here a spec with doubled strides) must not fail the
+    step of its batch: the planner plans no compute-all block and says why."""
+    from instgenie.engine.step_pricing import StepPricer
+
+    pipe = EditPipeline(_family(), profile=_profile(1.0))
+    s = _masked_state(pipe)
+    spec = pipe.cost_model.spec
+    wrong = dataclasses.replace(
+        spec, blocks=[dataclasses.replace(b, stride=2 * b.stride) for b in spec.blocks]
+    )
+    pricer = StepPricer(wrong, pipe.family.device)
+    with pytest.raises(ValueError, match="tokens at stride"):
+        pricer.costs([s])
+    with caplog.at_level("WARNING", logger="instgenie.engine"):
+        assert pricer.compute_all([s]) == frozenset()
+    assert "every block reads the cache" in caplog.text
+    # the pipeline's own pricer, with the right grids, plans every block full at 1 ms per byte
+    assert pipe.cost_model.compute_all([s]) == frozenset(range(pipe.family.masked.num_blocks))
+
+
 def test_a_profile_of_another_model_is_refused() -> None:
     """Before, a worker took any profile: with more blocks it planned from another model's
     fits, with fewer every step that read a cache failed (KeyError) with its whole batch."""
