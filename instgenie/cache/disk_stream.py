@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from instgenie.cache.disk import EntryWriter
+from instgenie.cache.disk_entry import EntryWriter
 from instgenie.cache.hostmem import pin, unpin
 from instgenie.cache.index import CacheFull, TierDisabled
 from instgenie.cache.layout import TemplateLayout, align_up, view_slab

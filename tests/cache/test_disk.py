@@ -19,16 +19,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from instgenie.cache.disk import (
-    MAGIC,
-    PREAMBLE,
-    VERSION,
-    CacheMiss,
-    CorruptEntry,
-    DiskBusy,
-    DiskTier,
-    step_chunks,
-)
+from instgenie.cache.disk import CacheMiss, CorruptEntry, DiskBusy, DiskTier
+from instgenie.cache.disk_format import MAGIC, PREAMBLE, VERSION, step_chunks
 from instgenie.cache.layout import TemplateLayout
 
 LAYOUT = TemplateLayout(3, 2, "bfloat16", ((50, 70), (30, 40)), (1, 4, 8, 8))
