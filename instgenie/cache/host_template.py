@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from instgenie.cache.dram import DramTier, Segment
+from instgenie.cache.dram import DramTier
+from instgenie.cache.shm_segment import Segment
 
 if TYPE_CHECKING:
     from instgenie.cache.tiered import TieredStore

@@ -35,10 +35,11 @@ from instgenie.cache.disk_stream import (
     StagingPool,
     StreamedTemplate,
 )
-from instgenie.cache.dram import DramTier, Segment
+from instgenie.cache.dram import DramTier
 from instgenie.cache.host_template import HostTemplate, TemplateWriter
 from instgenie.cache.index import READY, CacheFull
 from instgenie.cache.layout import TemplateLayout
+from instgenie.cache.shm_segment import Segment
 
 log = logging.getLogger(__name__)
 

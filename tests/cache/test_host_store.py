@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from instgenie.cache import host_store
-from instgenie.cache.dram import cleanup
 from instgenie.cache.host_store import HostActivationStore
 from instgenie.cache.quant import FP8
+from instgenie.cache.shm_segment import cleanup
 from instgenie.cache.store import TemplateMeta
 from instgenie.cache.tiered import TieredStore
 from instgenie.engine.family import load_family
