@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_masked_step import add_exec_args, environment, exec_config  # noqa: E402
 from instgenie.cache import hostmem  # noqa: E402
-from instgenie.cache.dram import cleanup  # noqa: E402
 from instgenie.cache.host_store import HostActivationStore  # noqa: E402
+from instgenie.cache.shm_segment import cleanup  # noqa: E402
 from instgenie.cache.store import InMemoryStore  # noqa: E402
 from instgenie.cache.tiered import TieredStore  # noqa: E402
 from instgenie.engine.family import load_family  # noqa: E402

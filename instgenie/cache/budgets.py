@@ -15,7 +15,7 @@ imports no torch.
   cannot be created or written falls back to no host cache (said in the sources), never to a
   failed start.
 - DRAM: DRAM_SHARE of (MemAvailable + the bytes this root's DRAM segments already hold), capped
-  by the shared-memory filesystem the segments live in (dram.SHM_DIR): its free space plus
+  by the shared-memory filesystem the segments live in (shm_segment.SHM_DIR): its free space plus
   those segments, less a reserve for the workers' request tensors (tensorshm.py) and others.
 - disk: DISK_SHARE of (the free space of the root's filesystem + the bytes already under the
   root), measured at the root's nearest existing directory.
@@ -54,7 +54,7 @@ DRAM_FALLBACK_BYTES = 8 << 30
 DISK_SHARE = 0.5
 #: the least DRAM budget, bytes (WorkerConfig needs >= 1; templates larger go to the disk tier)
 DRAM_MIN_BYTES = MIB
-#: where the shared-memory segments of the DRAM tier live (cache/dram.py: SharedMemory names)
+#: where the shared-memory segments of the DRAM tier live (cache/shm_segment.py: SharedMemory names)
 SHM_DIR = "/dev/shm"
 
 

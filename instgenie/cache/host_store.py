@@ -31,12 +31,13 @@ import torch
 
 from instgenie.cache.disk import CacheMiss, check_key
 from instgenie.cache.disk_stream import StreamedHandle, StreamedTemplate
+from instgenie.cache.host_template import HostTemplate
 from instgenie.cache.hostmem import device_view, pin, unpin
 from instgenie.cache.index import EntryInUse
 from instgenie.cache.layout import TemplateLayout
 from instgenie.cache.quant import FP8, quantize_rows
 from instgenie.cache.store import TemplateMeta
-from instgenie.cache.tiered import HostTemplate, TieredStore
+from instgenie.cache.tiered import TieredStore
 from instgenie.cache.window import WindowedHandle
 
 __all__ = ["CacheMiss", "HostActivationStore"]

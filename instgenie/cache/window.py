@@ -105,8 +105,8 @@ class StepWindow:
 
 class WindowedHandle:
     """A host-tier handle (a DRAM entry, a disk stream) over `source` (an object with `layout`,
-    `block`, `scales` and `latents` by step: tiered.HostTemplate, disk_stream.StreamedTemplate)
-    that can take a StepWindow; edits then read the window."""
+    `block`, `scales` and `latents` by step: host_template.HostTemplate,
+    disk_stream.StreamedTemplate) that can take a StepWindow; edits then read the window."""
 
     #: a device step window (attach_window): edits read its slots, DMA'd a step ahead
     window: StepWindow | None = None

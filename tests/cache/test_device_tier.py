@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from instgenie.cache.device_tier import DeviceTierStore, auto_budget
-from instgenie.cache.dram import cleanup
 from instgenie.cache.host_store import HostActivationStore
 from instgenie.cache.quant import FP8, QuantizedRows
+from instgenie.cache.shm_segment import cleanup
 from instgenie.cache.store import TemplateMeta, tier_of
 from instgenie.cache.tiered import TieredStore
 from instgenie.config import Config, WorkerConfig

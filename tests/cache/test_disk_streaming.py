@@ -18,12 +18,13 @@ import torch
 
 from instgenie.cache.disk import CacheMiss, CorruptEntry, DiskTier, StaleFormat
 from instgenie.cache.disk_stream import DiskTemplateWriter, StreamedHandle, StreamedTemplate
-from instgenie.cache.dram import cleanup
 from instgenie.cache.host_store import HostActivationStore
+from instgenie.cache.host_template import TemplateWriter
 from instgenie.cache.index import CacheFull
 from instgenie.cache.layout import TemplateLayout, align_up
 from instgenie.cache.misses import StreamCorrupt
-from instgenie.cache.tiered import TemplateWriter, TieredStore
+from instgenie.cache.shm_segment import cleanup
+from instgenie.cache.tiered import TieredStore
 from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest

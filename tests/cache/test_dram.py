@@ -18,21 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from instgenie.cache import dram as dram_mod
+from instgenie.cache import shm_segment as seg_mod
 from instgenie.cache.disk import CacheMiss
-from instgenie.cache.dram import (
-    DramTier,
-    Segment,
-    check_namespace,
-    cleanup,
-    owner_alive,
-    owner_id,
-    pin,
-    segment_name,
-    unpin,
-)
+from instgenie.cache.dram import DramTier
+from instgenie.cache.hostmem import owner_alive, owner_id, pin, unpin
 from instgenie.cache.index import CacheFull, EntryInUse
 from instgenie.cache.layout import TemplateLayout
+from instgenie.cache.shm_segment import Segment, check_namespace, cleanup, segment_name
 
 LAYOUT = TemplateLayout(2, 2, "float16", ((64, 32), (16, 8)), (1, 4, 8, 8))
 N = LAYOUT.nbytes
@@ -162,7 +154,7 @@ def test_dev_shm_full_is_a_clean_error(tmp_path: Path, ns: str, monkeypatch) -> 
         written_before.append(any(os.pread(fd, length, offset)))
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(dram_mod.os, "posix_fallocate", full)
+    monkeypatch.setattr(seg_mod.os, "posix_fallocate", full)
     tier = DramTier(tmp_path, ns, 10 * N)
     with pytest.raises(CacheFull, match="/dev/shm cannot hold"):
         tier.create(KA, LAYOUT)
@@ -218,22 +210,22 @@ def test_views_outlive_release_without_dangling(tmp_path: Path, ns: str) -> None
         view.contiguous().view(torch.uint8).flatten().tolist()
         == expected[off : off + view.numel() * view.element_size()].tolist()
     )
-    assert dram_mod._LINGERING  # unmapping now would leave `view` dangling
+    assert seg_mod._LINGERING  # unmapping now would leave `view` dangling
     del view
     gc.collect()
     fill(tier, KB, 2)
     tier.release(tier.attach(KB))
     tier.delete(KB)  # any later close sweeps the lingering mapping
-    assert dram_mod._LINGERING == []
+    assert seg_mod._LINGERING == []
 
 
 def test_debris_is_reconciled_at_start(tmp_path: Path, ns: str) -> None:
     tier = DramTier(tmp_path, ns, 10 * N)
     fill(tier, KA, 1)
     fill(tier, KB, 2)
-    dram_mod._unlink_shm(segment_name(ns, KA))  # listed, but its segment vanished
-    stray = dram_mod._open_shm(segment_name(ns, KC), 4096)  # a segment the index does not list
-    dram_mod._close_shm(stray)
+    seg_mod.unlink_shm(segment_name(ns, KA))  # listed, but its segment vanished
+    stray = seg_mod.open_shm(segment_name(ns, KC), 4096)  # a segment the index does not list
+    seg_mod.close_shm(stray)
     tier2 = DramTier(tmp_path, ns, 10 * N)
     assert tier2.status(KA) == "absent" and tier2.status(KB) == "ready"
     assert shm_names(ns) == [segment_name(ns, KB)] and tier2.stats.stale_segments == 1

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from instgenie.cache import host_store
-from instgenie.cache.dram import cleanup
 from instgenie.cache.host_store import HostActivationStore
 from instgenie.cache.quant import FP8
+from instgenie.cache.shm_segment import cleanup
 from instgenie.cache.store import TemplateMeta
 from instgenie.cache.tiered import TieredStore
 from instgenie.engine.family import load_family
@@ -201,7 +201,8 @@ _KILLED_AFTER_COMMIT = """
 import os, sys, torch
 from instgenie.cache.host_store import HostActivationStore
 from instgenie.cache.store import TemplateMeta
-from instgenie.cache.tiered import TemplateWriter, TieredStore
+from instgenie.cache.host_template import TemplateWriter
+from instgenie.cache.tiered import TieredStore
 root, ns, key = sys.argv[1:]
 hs = HostActivationStore(TieredStore(root, ns, 1 << 22, 1 << 24, chunk_bytes=4096), root)
 w = hs.writer(key, TemplateMeta(num_steps=2, num_rows=1, timesteps=(1.0, 0.5)))

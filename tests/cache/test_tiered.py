@@ -15,9 +15,9 @@ import torch
 
 from instgenie.cache.disk import CacheMiss, DiskBusy, DiskTier
 from instgenie.cache.disk_stream import DiskTemplateWriter
-from instgenie.cache.dram import cleanup
 from instgenie.cache.index import EntryInUse
 from instgenie.cache.layout import TemplateLayout
+from instgenie.cache.shm_segment import cleanup
 from instgenie.cache.tiered import TieredStore
 
 LAYOUT = TemplateLayout(3, 2, "bfloat16", ((48, 32), (24, 16)), (1, 4, 8, 8))

@@ -16,8 +16,8 @@ import uuid
 import pytest
 import torch
 
-from instgenie.cache.dram import cleanup
 from instgenie.cache.host_store import HostActivationStore
+from instgenie.cache.shm_segment import cleanup
 from instgenie.cache.store import InMemoryStore
 from instgenie.cache.tiered import TieredStore
 from instgenie.cache.window import SLOTS

@@ -1,0 +1,137 @@
+"""Handles on one template in the host DRAM tier: `TemplateWriter` fills a new segment (a capture;
+nothing is readable before commit), `HostTemplate` holds a reference on a ready one and hands out
+zero-copy views of its blocks, fp8 scales and latents. `TieredStore.writer` and
+`TieredStore.acquire` create them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from instgenie.cache.dram import DramTier
+from instgenie.cache.shm_segment import Segment
+
+if TYPE_CHECKING:
+    from instgenie.cache.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+class TemplateWriter:
+    """Fills one DRAM segment; nothing is visible to readers before commit()."""
+
+    def __init__(self, store: TieredStore, seg: Segment) -> None:
+        self.store, self.seg, self.layout = store, seg, seg.layout
+        self.key = seg.key
+        self._blocks: set[tuple[int, int]] = set()
+        self._latents: set[int] = set()
+        self._done = False
+
+    def _copy(self, view: torch.Tensor, t: torch.Tensor, what: str) -> None:
+        if self._done:
+            raise RuntimeError("writer already committed or aborted")
+        if tuple(t.shape) != tuple(view.shape):
+            raise ValueError(f"{what}: shape {tuple(t.shape)} != layout's {tuple(view.shape)}")
+        view.copy_(t.detach())  # casts to the cache dtype; reads from any device
+
+    def put_block(
+        self, step: int, block_id: int, y: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
+        """y: (rows, L_b, C_b); scale: (rows, L_b, 1) float32, required by fp8-scaled layouts.
+        y may also be a quant.QuantizedRows (its .q and .scale are stored)."""
+        if scale is None and hasattr(y, "q") and hasattr(y, "scale"):
+            y, scale = y.q, y.scale
+        assert self.seg.data is not None
+        self._copy(self.layout.block_view(self.seg.data, step, block_id), y, "block")
+        if self.layout.fp8_scales:
+            if scale is None:
+                raise ValueError("this layout stores fp8 scales: pass scale=")
+            self._copy(self.layout.scale_view(self.seg.data, step, block_id), scale, "scale")
+        self._blocks.add((step, block_id))
+
+    def put_latents(self, step: int, latents: torch.Tensor) -> None:
+        assert self.seg.data is not None
+        self._copy(self.layout.latents_view(self.seg.data, step), latents, "latents")
+        self._latents.add(step)
+
+    def commit(self) -> None:
+        n_blocks = self.layout.num_steps * self.layout.num_blocks
+        if len(self._blocks) != n_blocks or len(self._latents) != self.layout.num_steps:
+            self.abort()
+            raise RuntimeError(
+                f"incomplete capture: {len(self._blocks)}/{n_blocks} block outputs, "
+                f"{len(self._latents)}/{self.layout.num_steps} latents"
+            )
+        self._done = True
+        self.store.dram.commit(self.seg)
+        self.seg.close()
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self.store.dram.abort(self.seg)
+
+    def __enter__(self) -> TemplateWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()  # a no-op after commit
+
+
+class HostTemplate:
+    """A reference on a ready DRAM entry; views are valid while the handle is open (after close
+    they stay mapped, never dangling, but the entry may be evicted and its name reused)."""
+
+    def __init__(self, dram: DramTier, seg: Segment) -> None:
+        self._dram, self._seg = dram, seg
+        self.key, self.layout = seg.key, seg.layout
+        self._open = True  # the mapping is shared by this process's handles: closed per handle
+
+    @property
+    def segment(self) -> Segment:
+        """This process's mapping of the entry (shared by its handles; see DramTier.attach)."""
+        return self._seg
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The whole template as one uint8 tensor."""
+        if not self._open or self._seg.data is None:
+            raise RuntimeError("handle is closed")
+        return self._seg.data
+
+    def block(self, step: int, block_id: int) -> torch.Tensor:
+        return self.layout.block_view(self.data, step, block_id)
+
+    def scales(self, step: int, block_id: int) -> torch.Tensor:
+        return self.layout.scale_view(self.data, step, block_id)
+
+    def latents(self, step: int) -> torch.Tensor:
+        return self.layout.latents_view(self.data, step)
+
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._dram.release(self._seg)
+
+    def __del__(self) -> None:
+        # a handle dropped without close() would pin its entry until this process exits
+        seg = getattr(self, "_seg", None)
+        if seg is not None and getattr(self, "_open", False) and not self._dram.in_txn:
+            log.warning("HostTemplate %s garbage-collected while open: released", self.key[:12])
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown
+                pass
+
+    def __enter__(self) -> HostTemplate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
