@@ -29,15 +29,11 @@ from typing import Any
 import torch
 
 from instgenie.cache.disk import DEFAULT_CHUNK_BYTES, CacheMiss, DiskBusy, DiskTier, check_key
-from instgenie.cache.disk_stream import (
-    DEFAULT_RING,
-    DiskTemplateWriter,
-    StagingPool,
-    StreamedTemplate,
-)
+from instgenie.cache.disk_stream import DEFAULT_RING, DiskTemplateWriter, StreamedTemplate
 from instgenie.cache.dram import DramTier, Segment
 from instgenie.cache.index import READY, CacheFull
 from instgenie.cache.layout import TemplateLayout
+from instgenie.cache.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
