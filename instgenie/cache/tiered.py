@@ -29,17 +29,13 @@ from typing import Any
 import torch
 
 from instgenie.cache.disk import DEFAULT_CHUNK_BYTES, CacheMiss, DiskBusy, DiskTier, check_key
-from instgenie.cache.disk_stream import (
-    DEFAULT_RING,
-    DiskTemplateWriter,
-    StagingPool,
-    StreamedTemplate,
-)
+from instgenie.cache.disk_stream import DEFAULT_RING, DiskTemplateWriter, StreamedTemplate
 from instgenie.cache.dram import DramTier
 from instgenie.cache.host_template import HostTemplate, TemplateWriter
 from instgenie.cache.index import READY, CacheFull
 from instgenie.cache.layout import TemplateLayout
 from instgenie.cache.shm_segment import Segment
+from instgenie.cache.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
