@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROUTING_POLICIES = ("least-loaded", "mask-aware", "round-robin")
+#: how many workers each node of a cluster runs (--workers): one per GPU, or a count
+WORKERS_AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -82,12 +84,24 @@ class ServerConfig:
     worker_start_timeout_s: float = 900.0
     #: on SIGTERM/SIGINT, in-flight requests get this long to finish, seconds
     drain_timeout_s: float = 300.0
+    #: serve on a Ray cluster (pip install instgenie[cluster]): its address, e.g.
+    #: "ray://head:10001" or "head:6379"; "auto" = the cluster this host belongs to (`ray
+    #: start`); "" = this host only, one worker per --devices entry (Ray is not imported)
+    cluster: str = ""
+    #: with --cluster: workers per node, "auto" = one per GPU of every node (one per node for a
+    #: --devices cpu model), or a count; nodes that join later get theirs without a restart
+    workers: str = WORKERS_AUTO
+    #: with --cluster: seconds between reads of the cluster's nodes (joins and leaves)
+    cluster_poll_s: float = 2.0
 
 
 def check_server_config(cfg: ServerConfig) -> None:
     """ValueError naming the field for values that cannot work."""
     if cfg.routing not in ROUTING_POLICIES:
         raise ValueError(f"routing: {cfg.routing!r} is not one of {ROUTING_POLICIES}")
+    if cfg.workers != WORKERS_AUTO and not (cfg.workers.isdigit() and int(cfg.workers) > 0):
+        raise ValueError(f"workers: must be {WORKERS_AUTO!r} or a positive count, got "
+                         f"{cfg.workers!r}")  # fmt: skip
     if not 0 <= cfg.port <= 65535:
         raise ValueError(f"port: {cfg.port} is not in 0..65535")
     for name in ("max_body_bytes", "max_parts", "max_field_bytes", "max_jobs", "max_templates"):
@@ -98,6 +112,7 @@ def check_server_config(cfg: ServerConfig) -> None:
         if not getattr(cfg, name) >= 0:  # nan too (it would switch a limit off)
             raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
     for name in ("request_timeout_s", "health_poll_s", "health_timeout_s", "stall_s",
-                 "worker_start_timeout_s", "job_ttl_s", "stage_overrun_s"):  # fmt: skip
+                 "worker_start_timeout_s", "job_ttl_s", "stage_overrun_s",
+                 "cluster_poll_s"):  # fmt: skip
         if not getattr(cfg, name) > 0:  # nan too
             raise ValueError(f"{name}: must be > 0, got {getattr(cfg, name)}")

@@ -56,6 +56,7 @@ class Ticket:
 class Outcome:
     done: EditDone
     worker: int  # slot index that ran it
+    node: str  # the node of that worker (WorkerSlot.node)
     server_queue_ms: float  # admitted -> sent to a worker, ms
     server_total_ms: float  # admitted -> answered, ms
 
@@ -122,7 +123,7 @@ class Dispatcher:
         # can take it: the request waits here for that one rather than behind the overrun
         ok = [s for s in healthy if not s.overrun(cfg.stage_overrun_s)]
         index = self.policy.choose(route, [s.view() for s in ok or healthy or live])
-        return self.pool.slots[index] if index is not None else None
+        return next((s for s in self.pool.slots if s.index == index), None)
 
     def _reserve(self, ticket: Ticket, slot: WorkerSlot) -> None:
         fut = asyncio.get_running_loop().create_future()
@@ -216,6 +217,7 @@ class Dispatcher:
         return Outcome(
             done,
             slot.index,
+            slot.node,
             1e3 * (ticket.dispatched_at - ticket.admitted_at),
             1e3 * (now - ticket.admitted_at),
         )

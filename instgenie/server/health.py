@@ -45,18 +45,32 @@ class HealthMonitor:
         self.metrics = metrics
         self.on_death = on_death
         self.on_poll = on_poll
+        # one poll at a time per worker: sized for a fleet whose slots come and go (cluster)
         self._executor = ThreadPoolExecutor(
-            max_workers=len(pool.slots), thread_name_prefix="health"
+            max_workers=max(len(pool.slots), 64), thread_name_prefix="health"
         )
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[int, asyncio.Task] = {}  # slot index -> its watch
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._watch(s)) for s in self.pool.slots]
+        for s in self.pool.slots:
+            self.watch(s)
+
+    def watch(self, slot: WorkerSlot) -> None:
+        """Poll `slot` from now on (a slot added while serving: cluster mode)."""
+        if slot.index not in self._tasks:
+            self._tasks[slot.index] = asyncio.create_task(self._watch(slot))
+
+    def unwatch(self, slot: WorkerSlot) -> None:
+        """Stop polling a removed slot."""
+        task = self._tasks.pop(slot.index, None)
+        if task is not None:
+            task.cancel()
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._tasks.values())
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _watch(self, slot: WorkerSlot) -> None:
@@ -102,7 +116,7 @@ class HealthMonitor:
                 return
             if slot.handle is handle and entries:
                 self.metrics.observe_steps(
-                    slot.index, [e for e in entries if e.step >= slot.step_cursor]
+                    slot.index, [e for e in entries if e.step >= slot.step_cursor], slot.node
                 )
                 slot.step_cursor = max(e.step for e in entries) + 1
 
@@ -128,6 +142,8 @@ class HealthMonitor:
             rows.append(
                 {
                     "index": s.index,
+                    "node": s.node,
+                    "node_ip": s.node_ip or None,
                     "device": s.device,
                     "state": s.state,
                     "healthy": ok,

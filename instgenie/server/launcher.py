@@ -26,7 +26,7 @@ from instgenie.cache.budgets import CacheDefaults, resolve_cache
 from instgenie.config import Config, LimitsConfig, ModelConfig, WorkerConfig
 from instgenie.engine.sizing import native_side, resolve_limits
 from instgenie.logs import setup_process
-from instgenie.server.config import ServerConfig, check_server_config
+from instgenie.server.config import WORKERS_AUTO, ServerConfig, check_server_config
 from instgenie.server.state_db import DEFAULT_NAME, StateDB, StateDBError
 
 if TYPE_CHECKING:
@@ -100,6 +100,36 @@ def state_path(server: ServerConfig, worker: WorkerConfig) -> Path | None:
     return Path(worker.cache_root) / DEFAULT_NAME if worker.cache_root else None
 
 
+def _cluster_pool(server: ServerConfig, config: Config):
+    """(fleet, pool) of a cluster server: connected to Ray, one slot per worker the nodes alive
+    now should run (cluster/fleet.py); more come as nodes join (cluster/membership.py)."""
+    from instgenie.cluster.fleet import Fleet  # (imports Ray: cluster mode only)
+    from instgenie.server.pool import WorkerPool
+
+    per_node = None if server.workers == WORKERS_AUTO else int(server.workers)
+    fleet = Fleet(server.cluster, config, per_node, server.worker_start_timeout_s)
+    try:
+        nodes = fleet.nodes()
+        want = fleet.wanted()
+        ips = {n.node: n.ip for n in nodes}
+        placed = [(node, ips[node]) for node, n in sorted(want.items()) for _ in range(n)]
+        if not placed:
+            kind = "a GPU" if fleet.gpu else "room for a worker"
+            raise RuntimeError(f"no alive node offers {kind} ({len(nodes)} node(s) known)")
+        slot_config = fleet.slot_config()
+        pool = WorkerPool(
+            [slot_config] * len(placed),
+            server.worker_slots,
+            server.worker_start_timeout_s,
+            launch=fleet.launch,
+            nodes=placed,
+        )
+    except BaseException:
+        fleet.close()
+        raise
+    return fleet, pool
+
+
 def serve(
     model: ModelConfig,
     devices: list[str],
@@ -119,11 +149,22 @@ def serve(
     # max_image_pixels = 0: the family's default, resolved once for the server and its workers
     limits = resolve_limits(limits, native_side(model.model))
     # the cache root and the host tiers' budgets ("auto": from the machine), resolved once too:
-    # every worker, this log and /health show the same values
+    # every worker, this log and /health show the same values. In cluster mode each node
+    # resolves its own (its disk, its memory: cluster/actor.py); here only the state database's
+    # place is derived from this host's.
+    node_worker = worker
     worker, cache = resolve_cache(worker)
-    print(f"instgenie: {cache.describe()}", file=sys.stderr, flush=True)
+    if server.cluster:
+        print("instgenie: cluster mode: each node resolves its cache settings (its "
+              "INSTGENIE_CACHE_ROOT, memory and disk)", file=sys.stderr, flush=True)  # fmt: skip
+    else:
+        print(f"instgenie: {cache.describe()}", file=sys.stderr, flush=True)
     configs = [
-        Config(model=dataclasses.replace(model, device=d), limits=limits, worker=worker)
+        Config(
+            model=dataclasses.replace(model, device=d),
+            limits=limits,
+            worker=node_worker if server.cluster else worker,
+        )  # fmt: skip
         for d in devices
     ]
     try:
@@ -169,7 +210,19 @@ def _serve(
     from instgenie.server.pool import WorkerPool
     from instgenie.server.runtime import Runtime
 
-    pool = WorkerPool(configs, server.worker_slots, server.worker_start_timeout_s)
+    fleet = None
+    if server.cluster:
+        try:
+            fleet, pool = _cluster_pool(server, configs[0])
+        except Exception as exc:  # noqa: BLE001 - Ray missing, no cluster there, no node fits
+            print(f"instgenie: cluster {server.cluster!r}: {exc}", file=sys.stderr, flush=True)
+            if fleet is not None:
+                fleet.close()
+            sock.close()
+            return 1
+        devices = [f"{s.device}@{s.node_ip or s.node[:12]}" for s in pool.slots]
+    else:
+        pool = WorkerPool(configs, server.worker_slots, server.worker_start_timeout_s)
 
     def interrupted(signum: int, frame: object) -> None:
         raise _Interrupted(signal.Signals(signum).name)
@@ -180,15 +233,20 @@ def _serve(
     except _Interrupted as exc:
         log.warning("%s during start-up: workers stopped", exc)
         sock.close()
+        if fleet is not None:
+            fleet.close()
         return 0
     except Exception as exc:
         print(f"instgenie: workers failed to start: {exc}", file=sys.stderr, flush=True)
         sock.close()
+        if fleet is not None:
+            fleet.close()
         return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    runtime = Runtime(pool, server, configs[0].limits, state, cache)
+    runtime = Runtime(pool, server, configs[0].limits, state, None if fleet else cache,
+                      fleet=fleet)  # fmt: skip
     app = create_app(runtime)
     uv_config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5
@@ -207,6 +265,8 @@ def _serve(
     finally:
         codes = pool.close(drain=bool(srv.drained), timeout=server.drain_timeout_s)
         sock.close()
+        if fleet is not None:
+            fleet.close()
     bad = {i: rc for i, rc in codes.items() if rc != 0}
     if bad:
         log.error("workers exited with non-zero status: %s", bad)

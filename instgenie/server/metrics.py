@@ -72,27 +72,32 @@ class Metrics:
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300),
             registry=r,
         )
+        self.retries = Counter(
+            "instgenie_edit_retries",
+            "Edits run again on another worker because theirs died (the request's retry field)",
+            registry=r,
+        )
         self.step_seconds = Histogram(
             "instgenie_step_seconds",
             "Denoise step wall time, by worker and by how its backbone ran (graph: replay, "
             "capture, warmup or eager; engine.graphs)",
-            ["worker", "graph"],
+            ["worker", "node", "graph"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )
         self.bytes_loaded = Counter(
             "instgenie_cache_bytes_loaded",
             "Cached activation bytes copied in by denoise steps",
-            ["worker"],
+            ["worker", "node"],
             registry=r,
         )
 
-    def observe_steps(self, worker: int, entries: Iterable[StepEntry]) -> None:
+    def observe_steps(self, worker: int, entries: Iterable[StepEntry], node: str = "local") -> None:
         label = str(worker)
         for e in entries:
-            self.step_seconds.labels(label, e.graph).observe(e.duration_ms / 1e3)
+            self.step_seconds.labels(label, node, e.graph).observe(e.duration_ms / 1e3)
             if e.bytes_loaded:
-                self.bytes_loaded.labels(label).inc(e.bytes_loaded)
+                self.bytes_loaded.labels(label, node).inc(e.bytes_loaded)
 
     def add_live(self, collect: Callable[[], Iterable[Metric]]) -> None:
         """Register a callable that yields metric families at each scrape."""
@@ -115,8 +120,9 @@ def fastest_tier(bytes_by_tier: dict[str, int]) -> str:
 
 
 def live_families(server_queue: int, workers: list[dict], templates: dict[str, int]):
-    """Gauges of the current state. `workers`: per worker {"index", "in_flight", "up",
-    "restarts", "stats"}; `templates`: state -> count."""
+    """Gauges of the current state. `workers`: per worker {"index", "node", "in_flight", "up",
+    "restarts", "stats"}; `templates`: state -> count. Every per-worker family is labelled by
+    worker (the slot index) and node (the host it runs on: "local" on one host)."""
     q = GaugeMetricFamily("instgenie_queue_depth", "Requests waiting in the server queue")
     q.add_metric([], server_queue)
     yield q
@@ -124,39 +130,40 @@ def live_families(server_queue: int, workers: list[dict], templates: dict[str, i
         "in_flight": GaugeMetricFamily(
             "instgenie_worker_in_flight",
             "Requests sent to the worker and not answered",
-            labels=["worker"],
+            labels=["worker", "node"],
         ),
         "queue": GaugeMetricFamily(
             "instgenie_worker_queue_depth",
             "Requests the worker holds outside its denoise loop",
-            labels=["worker"],
+            labels=["worker", "node"],
         ),
         "batch": GaugeMetricFamily(
             "instgenie_batch_size",
             "Requests in the worker's running batch (0 when its loop holds none)",
-            labels=["worker"],
+            labels=["worker", "node"],
         ),
         "up": GaugeMetricFamily(
-            "instgenie_worker_up", "1 if the worker can make progress", labels=["worker"]
+            "instgenie_worker_up", "1 if the worker can make progress", labels=["worker", "node"]
         ),
     }
     restarts = CounterMetricFamily(
         "instgenie_worker_restarts",
         "Restarts of the worker's processes: its supervisor by the server, its loop, pre and post "
         "processes by its supervisor",
-        labels=["worker"],
+        labels=["worker", "node"],
     )
     mirrored = {
-        p: CounterMetricFamily(n, h, labels=["worker", "tier"]) for p, (n, h) in _MIRRORED.items()
+        p: CounterMetricFamily(n, h, labels=["worker", "node", "tier"])
+        for p, (n, h) in _MIRRORED.items()
     }
     prompts = {
         k: (GaugeMetricFamily if k == "prompt_bytes" else CounterMetricFamily)(
-            name, help_, labels=["worker"]
+            name, help_, labels=["worker", "node"]
         )
         for k, (name, help_) in _PROMPT_CACHE.items()
     }
     for w in workers:
-        label, stats = [str(w["index"])], w["stats"]
+        label, stats = [str(w["index"]), w.get("node", "local")], w["stats"]
         gauges["in_flight"].add_metric(label, w["in_flight"])
         gauges["queue"].add_metric(label, stats.get("in_queued", 0) + stats.get("in_pre", 0))
         gauges["batch"].add_metric(label, stats.get("batch_size_last", 0))
@@ -168,7 +175,7 @@ def live_families(server_queue: int, workers: list[dict], templates: dict[str, i
         for name, value in stats.items():
             for prefix, family in mirrored.items():
                 if name.startswith(prefix):
-                    family.add_metric([label[0], name[len(prefix) :]], value)
+                    family.add_metric([*label, name[len(prefix) :]], value)
     yield from gauges.values()
     yield restarts
     yield from mirrored.values()

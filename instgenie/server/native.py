@@ -200,6 +200,7 @@ async def prepare_native_edit(request: Request) -> EditSpec:
         strength=params.strength,
         output_format=params.output_format,
         paste_back=params.paste_back,
+        retry=params.retry,
     )
     await rt.measure_mask([spec])
     return spec

@@ -30,7 +30,7 @@ async def health(request: Request) -> JSONResponse:
     if ok and any(w["status"] == "degraded" for w in workers):
         status = "degraded"
     body = {"status": status, "draining": rt.draining, "cache": rt.health.cache_report(),
-            "workers": workers}  # fmt: skip
+            "workers": workers, "nodes": rt.nodes_report()}  # fmt: skip
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -1,5 +1,11 @@
 """The worker processes of one server: one per device, started in parallel, restarted on death.
 
+A slot's worker is started by the pool's `launch` function: a local subprocess (WorkerHandle) by
+default; in cluster mode (instgenie/cluster/) a Ray actor on the slot's node, whose handle has
+the same interface (client, pid, address, proc.poll()/kill(), wait_ready, close). Slots are
+added and removed while serving in cluster mode (`add`, `remove`: nodes that join and leave);
+a slot's index is never reused, so it is an id, not a position in `slots`.
+
 State is owned by the event loop thread (the dispatcher, health monitor and templates read and
 write it there); only `start`, `close` and a restart's start-up run on other threads.
 Invariants:
@@ -14,6 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -34,14 +41,18 @@ STOP_STARTING_S = 2.0
 #: stage_overrun_s stays the upper bound and the limit where there is no price
 STAGE_OVERRUN_FACTOR = 4.0
 STAGE_OVERRUN_FLOOR_S = 5.0
+LOCAL_NODE = "local"  # WorkerSlot.node of a single-host pool
 
 
 @dataclass
 class WorkerSlot:
-    index: int  # position in the pool, 0-based (= the device's position in --devices)
+    index: int  # the slot's id, 0-based (single host: the device's position in --devices)
     config: Config  # the worker's config (its device in config.model.device)
     slots: int  # most requests sent to it at once, count
-    handle: WorkerHandle | None = None
+    handle: WorkerHandle | None = None  # or a cluster.handle.RemoteWorkerHandle
+    #: the node (host) it runs on: "local" on one host; in cluster mode the Ray node id
+    node: str = LOCAL_NODE
+    node_ip: str = ""  # that node's address ("" on one host)
     state: str = "starting"  # "starting" | "up" | "restarting" | "failed" | "stopped"
     #: uid -> the dispatcher's future of each request sent and not answered (event loop only)
     pending: dict = field(default_factory=dict)
@@ -176,19 +187,64 @@ class WorkerSlot:
             requests=tuple(self._held(u) for u in self.pending if u in self.routes),
             max_batch=self.config.worker.max_batch,
             cost=self.cost,
+            host=self.node,
         )
 
 
+def launch_local(slot: WorkerSlot) -> WorkerHandle:
+    """Start `slot`'s worker as a subprocess of this process (single host)."""
+    return WorkerHandle(slot.config)
+
+
 class WorkerPool:
-    def __init__(self, configs: list[Config], slots: int, start_timeout_s: float) -> None:
+    def __init__(
+        self,
+        configs: list[Config],
+        slots: int,
+        start_timeout_s: float,
+        launch: Callable[[WorkerSlot], WorkerHandle] = launch_local,
+        nodes: list[tuple[str, str]] | None = None,
+    ) -> None:
+        """One slot per config; `nodes`: each slot's (node id, node address) (default: local);
+        `launch` starts a slot's worker and returns its handle at once (not yet ready)."""
         if not configs:
             raise ValueError("devices: at least one worker device is required")
-        self.slots = [
-            WorkerSlot(i, c, slots or 2 * c.worker.max_batch) for i, c in enumerate(configs)
-        ]
+        self.slot_limit = slots  # requests per worker; 0: 2 x its max_batch
+        self.slots: list[WorkerSlot] = []
+        self._next = 0  # the next slot's index (never reused)
+        for c, (node, ip) in zip(configs, nodes or [(LOCAL_NODE, "")] * len(configs),
+                                 strict=True):  # fmt: skip
+            self._new_slot(c, node, ip)
         self.start_timeout_s = start_timeout_s
-        #: starts and restarts run here; its threads outlive their workers (see `start`)
-        self._executor = ThreadPoolExecutor(max_workers=len(configs), thread_name_prefix="worker")
+        self.launch = launch
+        #: starts and restarts run here; its threads outlive their workers (see `start`); in
+        #: cluster mode slots come and go, so it is sized for a fleet, not for the first slots
+        self._executor = ThreadPoolExecutor(max_workers=max(len(configs), 64),
+                                            thread_name_prefix="worker")  # fmt: skip
+
+    def _new_slot(self, config: Config, node: str, ip: str) -> WorkerSlot:
+        slot = WorkerSlot(self._next, config, self.slot_limit or 2 * config.worker.max_batch,
+                          node=node, node_ip=ip)  # fmt: skip
+        self._next += 1
+        self.slots.append(slot)
+        return slot
+
+    def add(self, config: Config, node: str, ip: str = ""):
+        """A new slot on `node`, started in the background: (slot, concurrent Future of its
+        start, raising what failed). Event loop thread (it changes `slots`)."""
+        slot = self._new_slot(config, node, ip)
+        return slot, self._executor.submit(self._start, slot)
+
+    def remove(self, slot: WorkerSlot):
+        """Take `slot` out of the pool (its node left) and stop its worker in the background
+        (a concurrent Future). Event loop thread; the caller has failed its requests first."""
+        if slot in self.slots:
+            self.slots.remove(slot)
+        handle, slot.handle = slot.handle, None
+        slot.state = "removed"
+        if handle is None:
+            return self._executor.submit(lambda: None)
+        return self._executor.submit(_close, handle, False, STOP_STARTING_S)
 
     def start(self) -> None:
         """Start every worker in parallel and wait for all ready handshakes; on any failure the
@@ -210,7 +266,9 @@ class WorkerPool:
         """Spawn the worker and wait for its ready handshake. The handle is published at once,
         so that `close` from another thread can stop a worker that is still starting."""
         t0 = time.monotonic()
-        handle = WorkerHandle(slot.config)
+        if slot.state == "removed":  # its node left before this (re)start ran
+            raise RuntimeError(f"worker {slot.index} was removed")
+        handle = self.launch(slot)
         slot.handle = handle
         try:
             handle.wait_ready(self.start_timeout_s)
@@ -219,7 +277,7 @@ class WorkerPool:
                 slot.handle = None
             _close(handle, drain=False, timeout=STOP_STARTING_S)
             raise
-        if slot.handle is not handle:  # closed meanwhile
+        if slot.handle is not handle:  # closed or removed meanwhile (which closes it)
             raise RuntimeError(f"worker {slot.index} was stopped while starting")
         # for the mask-aware router (before the slot is up: nothing else asks it for stats);
         # without it, routing falls back to least-loaded - never a reason to fail the worker
@@ -235,13 +293,9 @@ class WorkerPool:
         slot.starts += 1
         slot.stats_at = slot.steps_moved_at = time.monotonic()
         slot.stats = {"ready": 1.0}
-        log.info(
-            "worker %d (%s, pid %d) ready in %.1f s",
-            slot.index,
-            slot.device,
-            handle.pid,
-            time.monotonic() - t0,
-        )
+        where = "" if slot.node == LOCAL_NODE else f" on node {slot.node[:12]} ({slot.node_ip})"
+        log.info("worker %d (%s%s, pid %d) ready in %.1f s", slot.index, slot.device, where,
+                 handle.pid, time.monotonic() - t0)  # fmt: skip
 
     def restart(self, slot: WorkerSlot):
         """Replace a dead worker (a concurrent.futures.Future; the caller awaits it)."""
@@ -274,7 +328,7 @@ class WorkerPool:
             if handle is not None:
                 codes[slot.index] = _close(handle, drain=drain, timeout=timeout)
 
-        threads = [threading.Thread(target=one, args=(s,)) for s in self.slots]
+        threads = [threading.Thread(target=one, args=(s,)) for s in list(self.slots)]
         for t in threads:
             t.start()
         for t in threads:

@@ -53,6 +53,8 @@ class EditSpec:
     image_size: tuple[int, int] = (0, 0)  # the image's (width, height), pixels
     #: the (width, height) the worker will work at (engine/sizing.working_size), pixels
     work_size: tuple[int, int] = (0, 0)
+    #: run it once more on another worker if its worker dies (the request's `retry` field)
+    retry: bool = True
 
 
 class Runtime:
@@ -63,7 +65,9 @@ class Runtime:
         limits: LimitsConfig,
         state: StateDB | None = None,
         cache: CacheDefaults | None = None,
+        fleet=None,
     ) -> None:
+        """`fleet`: a cluster.fleet.Fleet in cluster mode (nodes join and leave: membership)."""
         self.pool = pool
         self.cfg = cfg
         self.model_id = pool.slots[0].config.model.model
@@ -88,6 +92,11 @@ class Runtime:
         )
         self.metrics.add_live(self._live)
         self._restarts: set[asyncio.Future] = set()
+        self.membership = None
+        if fleet is not None:
+            from instgenie.cluster.membership import Membership  # (imports Ray)
+
+            self.membership = Membership(self, fleet, cfg.cluster_poll_s)
 
     @property
     def draining(self) -> bool:
@@ -99,8 +108,12 @@ class Runtime:
             log.info("state %s: %d template(s) and %d async job(s) reloaded",
                         self.state.path, templates, jobs)  # fmt: skip
         self.health.start()
+        if self.membership is not None:
+            self.membership.start()
 
     async def stop(self) -> None:
+        if self.membership is not None:
+            await self.membership.stop()
         await self.health.stop()
         # jobs still unfinished (the drain timed out) end "interrupted", stored as such
         for job in list(self.jobs.jobs.values()):
@@ -112,6 +125,9 @@ class Runtime:
 
     # ---- worker lifecycle -----------------------------------------------------------------------
     def on_worker_death(self, slot: WorkerSlot, reason: str) -> None:
+        if self.membership is not None and not self.membership.node_alive(slot.node):
+            self.remove_worker(slot, f"{reason}; its node left the cluster")
+            return
         slot.state = "restarting" if self.cfg.restart_workers and not self.draining else "failed"
         self.dispatcher.worker_down(slot, reason)
         if slot.state != "restarting":
@@ -122,10 +138,55 @@ class Runtime:
 
     def _restarted(self, slot: WorkerSlot, fut: asyncio.Future) -> None:
         self._restarts.discard(fut)
-        if slot.state == "up":
+        if slot.state == "up" and slot in self.pool.slots:
             log.warning("worker %d restarted", slot.index)
             self.templates.resync(slot)
             self.dispatcher.pump()
+
+    def nodes_report(self) -> list[dict]:
+        """/health's "nodes": each node with its workers."""
+        if self.membership is not None:
+            return self.membership.report()
+        return [
+            {
+                "node": s.node,
+                "address": None,
+                "alive": True,
+                "workers": [x.index for x in self.pool.slots],
+            }
+            for s in self.pool.slots[:1]
+        ]
+
+    def add_worker(self, config, node: str, ip: str) -> WorkerSlot:
+        """A new worker on `node` (cluster mode: a node joined), started in the background; it
+        gets work once up."""
+        slot, fut = self.pool.add(config, node, ip)
+        self.health.watch(slot)
+        done = asyncio.wrap_future(fut)
+        self._restarts.add(done)
+
+        def started(f: asyncio.Future) -> None:
+            self._restarts.discard(f)
+            if f.cancelled() or f.exception() is not None:
+                why = "cancelled" if f.cancelled() else str(f.exception())
+                slot.state, slot.last_error = "failed", f"start failed: {why}"
+                log.error("worker %d on node %s: start failed: %s", slot.index, node[:12], why)
+            elif slot.state == "up":
+                self.templates.resync(slot)
+                self.dispatcher.pump()
+
+        done.add_done_callback(started)
+        return slot
+
+    def remove_worker(self, slot: WorkerSlot, reason: str) -> None:
+        """Take a worker out for good (cluster mode: its node left): its requests fail with
+        worker_died (each re-run once elsewhere, Runtime.execute), its worker is stopped."""
+        log.warning("worker %d removed: %s", slot.index, reason)
+        slot.last_error = reason
+        self.health.unwatch(slot)
+        self.pool.remove(slot)
+        self.templates.forget_slot(slot)
+        self.dispatcher.worker_down(slot, reason)
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new work (503), wait for admitted edits to finish; True if all did."""
@@ -217,6 +278,7 @@ class Runtime:
         output_format: str = "png",
         paste_back: bool = True,
         size: tuple[int, int] | None = None,
+        retry: bool = True,
     ) -> EditSpec:
         """Validate an edit from its header-level facts; 4xx naming the field otherwise."""
         self.check_params(prompt, negative_prompt, num_inference_steps, guidance_scale)
@@ -282,7 +344,7 @@ class Runtime:
         tid = rec.template_id if rec is not None else None
         route = RouteRequest(template_id=tid, num_steps=steps, pixels=work[0] * work[1],
                              guidance=guidance_scale, strength=strength)  # fmt: skip
-        return EditSpec(fields, route, tid, seed, (width, height), work)
+        return EditSpec(fields, route, tid, seed, (width, height), work, retry)
 
     async def measure_mask(self, specs: list[EditSpec]) -> None:
         """Fill the routing facts a mask-aware policy prices (RouteRequest.mask_ratio, pixels
@@ -320,18 +382,35 @@ class Runtime:
     async def execute(
         self, ticket: Ticket, spec: EditSpec, on_progress: Callable[[Progress], None] | None = None
     ) -> dict:
-        """Run an admitted edit; the native edit response as a dict."""
-        try:
-            outcome = await self.dispatcher.run(ticket, spec.fields, on_progress)
-        except ApiError as exc:
-            self.metrics.failures.labels(exc.code).inc()
-            raise
-        except asyncio.CancelledError as exc:  # DELETE of its job, client gone, server stopping
-            self.metrics.failures.labels(cancel_code(exc)).inc()
-            raise
-        return self._response(ticket, spec, outcome)
+        """Run an admitted edit; the native edit response as a dict. If its worker dies (the
+        worker's process, or its whole node) and the request allows it (`spec.retry`), it is
+        admitted and run once more, on another worker: an edit is deterministic under its seed,
+        so the image is the one the first worker would have made. The response keeps the
+        first ticket's id."""
+        first, retried = ticket, False
+        while True:
+            try:
+                outcome = await self.dispatcher.run(ticket, spec.fields, on_progress)
+                break
+            except ApiError as exc:
+                if exc.code == "worker_died" and spec.retry and not retried and not self.draining:
+                    retried = True
+                    self.metrics.retries.inc()
+                    log.warning("edit %s: %s; running it again on another worker", first.uid,
+                                exc.message)  # fmt: skip
+                    try:
+                        ticket = self.dispatcher.admit(spec.route)
+                        continue
+                    except ApiError as again:
+                        exc = again
+                self.metrics.failures.labels(exc.code).inc()
+                raise exc from None
+            except asyncio.CancelledError as exc:  # DELETE of its job, client gone, stopping
+                self.metrics.failures.labels(cancel_code(exc)).inc()
+                raise
+        return self._response(first, spec, outcome, retried)
 
-    def _response(self, ticket: Ticket, spec: EditSpec, outcome: Outcome) -> dict:
+    def _response(self, ticket: Ticket, spec: EditSpec, outcome: Outcome, retried: bool) -> dict:
         d = outcome.done
         tier = None
         if d.cache == "hit":
@@ -366,6 +445,8 @@ class Runtime:
             "template_id": spec.template_id,
             "seed": spec.seed,
             "worker": outcome.worker,
+            "node": outcome.node,
+            "retried": retried,
             "timings": {
                 "queue_ms": d.queue_ms,
                 "preprocess_ms": d.preprocess_ms,
@@ -383,6 +464,7 @@ class Runtime:
         workers = [
             {
                 "index": s.index,
+                "node": s.node,
                 "in_flight": s.in_flight,
                 "up": row["healthy"],
                 "restarts": s.restarts,

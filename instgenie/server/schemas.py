@@ -85,6 +85,12 @@ class EditParams(_Strict):
     strength: float = _Strength
     output_format: Literal["png", "jpeg", "webp"] = "png"
     paste_back: bool = Field(True, description="copy the unmasked input pixels into the output")
+    retry: bool = Field(
+        True,
+        description="if the worker running the edit dies (its process, or its node), run it once "
+        "more on another worker: an edit is deterministic under its seed, so the image is the "
+        "same; false: fail with worker_died instead",
+    )
     image_url: Text | None = _Url
     mask_url: Text | None = _Url
 
@@ -196,6 +202,10 @@ class EditResponse(BaseModel):
     template_id: str | None
     seed: int
     worker: int
+    node: str = Field("local", description="the node (host) of the worker that ran it: "
+                      "\"local\" on one host, the Ray node id in cluster mode")
+    retried: bool = Field(False, description="its first worker died and it ran again on "
+                          "another one (the request's retry field)")
     timings: Timings
 
 
@@ -280,6 +290,9 @@ class ImagesResponse(BaseModel):
 
 class WorkerHealth(BaseModel):
     index: int
+    node: str = Field("local", description="the node (host) it runs on: \"local\" on one "
+                      "host, the Ray node id in cluster mode")
+    node_ip: str | None = Field(None, description="that node's address (cluster mode)")
     device: str
     state: str
     healthy: bool
@@ -350,6 +363,13 @@ class CacheHealth(BaseModel):
     tiers: CacheTiers
 
 
+class NodeHealth(BaseModel):
+    node: str = Field(description='Ray node id, or "local" on a single host')
+    address: str | None = Field(description="the node's address (cluster mode)")
+    alive: bool = Field(description="alive in the cluster as of the last membership poll")
+    workers: list[int] = Field(description="indices of the workers on it")
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok", "degraded", "unhealthy"]
     draining: bool
@@ -359,6 +379,11 @@ class HealthResponse(BaseModel):
         'at start: --cache-root and the tiers\' budgets, from the machine where "auto")',
     )
     workers: list[WorkerHealth]
+    nodes: list[NodeHealth] = Field(
+        default_factory=list,
+        description="the nodes (hosts) the workers run on, each with its workers' indices: "
+        "one \"local\" node on a single host; in cluster mode every Ray node with workers",
+    )
 
 
 class ReadyResponse(BaseModel):

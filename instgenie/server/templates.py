@@ -207,6 +207,11 @@ class TemplateRegistry:
                     pass
         return rec
 
+    def forget_slot(self, slot: WorkerSlot) -> None:
+        """A removed worker (cluster mode: its node left) builds nothing any more."""
+        for rec in self.records.values():
+            rec.builds.pop(slot.index, None)
+
     def resync(self, slot: WorkerSlot) -> None:
         """Build every record on a (re)started worker."""
         for rec in self.records.values():

@@ -92,11 +92,13 @@ def test_template_build_then_masked_edit_hits_the_cache(srv: ServerProcess) -> N
     # both edits asked for "a hat": the second took the loop's prompt-encoder cache (the
     # worker's stats reach /metrics with the health poll)
     deadline = time.monotonic() + 30
-    while srv.metric("instgenie_prompt_cache_hits_total", worker="0") < 1:
+    while srv.metric("instgenie_prompt_cache_hits_total", worker="0", node="local") < 1:
         assert time.monotonic() < deadline, "no prompt cache hit reported"
         time.sleep(0.2)
-    assert srv.metric("instgenie_prompt_cache_misses_total", worker="0") >= 2  # capture + 1st
-    assert srv.metric("instgenie_prompt_cache_bytes", worker="0") > 0
+    assert (
+        srv.metric("instgenie_prompt_cache_misses_total", worker="0", node="local") >= 2
+    )  # capture + 1st
+    assert srv.metric("instgenie_prompt_cache_bytes", worker="0", node="local") > 0
 
     # DELETE removes it everywhere: unknown afterwards, and edits naming it are refused
     assert srv.delete(f"/v1/templates/{tid}").json() == {
@@ -224,9 +226,9 @@ def test_operational_endpoints(srv: ServerProcess) -> None:
         >= 1
     )
     # a CPU worker never replays CUDA graphs: every step ran eagerly
-    assert srv.metric("instgenie_step_seconds_count", worker="0", graph="eager") >= 2
-    assert srv.metric("instgenie_step_seconds_count", worker="0", graph="replay") == 0
-    assert srv.metric("instgenie_worker_up", worker="0") == 1
+    assert srv.metric("instgenie_step_seconds_count", worker="0", node="local", graph="eager") >= 2
+    assert srv.metric("instgenie_step_seconds_count", worker="0", node="local", graph="replay") == 0
+    assert srv.metric("instgenie_worker_up", worker="0", node="local") == 1
 
 
 def test_openapi_shows_upload_fields(srv: ServerProcess) -> None:

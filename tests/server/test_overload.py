@@ -119,7 +119,7 @@ def test_full_queue_answers_429_with_retry_after_and_held_requests_succeed(srv) 
 def test_a_stuck_loop_flips_health_then_recovers(srv) -> None:
     assert srv.health()[0] == 200
     restarts = srv.worker()["restarts"]
-    assert srv.metric("instgenie_worker_restarts_total", worker="0") == restarts
+    assert srv.metric("instgenie_worker_restarts_total", worker="0", node="local") == restarts
     stuck = _in_background(_edit, srv, FAULT_PROMPTS["stall"], 3, 4)
     srv.wait_in_flight(1)
     t0 = time.monotonic()
@@ -134,7 +134,7 @@ def test_a_stuck_loop_flips_health_then_recovers(srv) -> None:
     assert _edit(srv, "after the stall").status_code == 200
     # the supervisor restarted the loop (not the server the supervisor): counted all the same
     assert srv.worker()["restarts"] == restarts + 1
-    assert srv.metric("instgenie_worker_restarts_total", worker="0") == restarts + 1
+    assert srv.metric("instgenie_worker_restarts_total", worker="0", node="local") == restarts + 1
 
 
 def test_probes_stay_instant_and_flip_when_the_worker_freezes(srv) -> None:
@@ -156,7 +156,7 @@ def test_probes_stay_instant_and_flip_when_the_worker_freezes(srv) -> None:
 
 def test_a_frozen_supervisor_is_killed_and_restarted(srv) -> None:
     sup = srv.worker()["pid"]
-    restarts = srv.metric("instgenie_worker_restarts_total", worker="0")
+    restarts = srv.metric("instgenie_worker_restarts_total", worker="0", node="local")
     os.kill(sup, signal.SIGSTOP)  # never resumed: the server must fence it on its own
     waiting = _in_background(_edit, srv, "behind a frozen worker", 3, 6)
     t0 = time.monotonic()
@@ -166,7 +166,7 @@ def test_a_frozen_supervisor_is_killed_and_restarted(srv) -> None:
     assert not os.path.exists(f"/proc/{sup}") or "Z" in open(f"/proc/{sup}/stat").read().split()[2]
     body = srv.wait_health(200, timeout=240, why="restarted after the hang")
     assert body["workers"][0]["pid"] != sup
-    assert srv.metric("instgenie_worker_restarts_total", worker="0") == restarts + 1
+    assert srv.metric("instgenie_worker_restarts_total", worker="0", node="local") == restarts + 1
     assert _edit(srv, "after the fence").status_code == 200
 
 
@@ -194,4 +194,4 @@ def test_killed_worker_fails_fast_restarts_and_serves(srv) -> None:
     assert _edit(srv, "after the restart").status_code == 200
     assert not [p for p in children if os.path.exists(f"/proc/{p}")]  # died with their parent
     assert shm_segments({sup}) == []
-    assert srv.metric("instgenie_worker_restarts_total", worker="0") == restarts + 1
+    assert srv.metric("instgenie_worker_restarts_total", worker="0", node="local") == restarts + 1
