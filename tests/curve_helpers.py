@@ -9,6 +9,8 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from instgenie import ipc
+
 _FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
@@ -50,3 +52,12 @@ def free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def send_raw(endpoint: ipc.Endpoint, frame: bytes, timeout_s: float = 0.5) -> None:
+    """Send one frame of raw bytes (not a message) if the socket queues it within timeout_s."""
+    if endpoint.socket.poll(int(timeout_s * 1000), zmq.POLLOUT):
+        try:
+            endpoint.socket.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
