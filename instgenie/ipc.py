@@ -120,7 +120,9 @@ def check_address(address: str, *, allow_remote: bool = False, curve: bool = Fal
 
 # ---- CurveZMQ: one ZAP handler per process, an exact allow list per bound socket --------------
 class _AllowedClients:
-    """A ZAP credentials provider: the client public keys (z85) one bound socket accepts."""
+    """A ZAP credentials provider: the client public keys (z85) one bound socket accepts.
+    It stays registered for the process's life (removing a domain would race the authenticator
+    thread's lookup); `revoke` empties it when its socket closes (a few hundred bytes each)."""
 
     def __init__(self, keys: tuple[str, ...]) -> None:
         self.keys = frozenset(k.encode("ascii") for k in keys)
@@ -128,17 +130,21 @@ class _AllowedClients:
     def callback(self, domain: str, key: bytes) -> bool:  # called in the authenticator thread
         return key in self.keys
 
+    def revoke(self) -> None:
+        self.keys = frozenset()  # one reference swap: atomic for the authenticator thread
+
 
 _auth: tuple[int, ThreadAuthenticator] | None = None  # (pid, this process's ZAP handler)
 _auth_lock = threading.Lock()
 
 
 def _authenticator() -> ThreadAuthenticator:
-    """This process's ZAP handler on context(), started on first use (a forked child starts its
-    own: the parent's thread and context are not in it). Runs until the process exits."""
+    """This process's ZAP handler on context(), started on first use (a forked child, or a new
+    context, gets its own: the parent's thread and context are not in it). Runs until the
+    process exits."""
     global _auth
     with _auth_lock:
-        if _auth is None or _auth[0] != os.getpid():
+        if _auth is None or _auth[0] != os.getpid() or _auth[1].context is not context():
             from zmq.auth.thread import ThreadAuthenticator  # (asyncio: only where curve is used)
 
             auth = ThreadAuthenticator(context(), log=logging.getLogger("instgenie.ipc.zap"))
@@ -147,12 +153,13 @@ def _authenticator() -> ThreadAuthenticator:
         return _auth[1]
 
 
-def _curve_server(socket: zmq.Socket, curve: ServerCurve) -> str:
-    """Make `socket` (not bound yet) a CURVE server whose ZAP domain admits exactly
-    curve.clients; returns the domain (forget it with _forget_domain when the socket closes)."""
+def _curve_server(socket: zmq.Socket, curve: ServerCurve) -> _AllowedClients:
+    """Make `socket` (not bound yet) a CURVE server whose own ZAP domain admits exactly
+    curve.clients; returns that allow list (revoke it when the socket closes)."""
     auth = _authenticator()  # before the bind: a CURVE server without a ZAP handler admits anyone
     domain = f"instgenie-{secrets.token_hex(8)}"
-    auth.configure_curve_callback(domain, _AllowedClients(curve.clients))
+    allowed = _AllowedClients(curve.clients)
+    auth.configure_curve_callback(domain, allowed)
     socket.setsockopt(zmq.CURVE_SERVER, 1)
     socket.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode("ascii"))
     socket.setsockopt(zmq.CURVE_PUBLICKEY, curve.public.encode("ascii"))
@@ -161,12 +168,7 @@ def _curve_server(socket: zmq.Socket, curve: ServerCurve) -> str:
         socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     except zmq.ZMQError:
         pass
-    return domain
-
-
-def _forget_domain(domain: str) -> None:
-    if _auth is not None and _auth[0] == os.getpid():
-        _auth[1].credentials_providers.pop(domain, None)
+    return allowed
 
 
 def _curve_client(socket: zmq.Socket, curve: ClientCurve) -> None:
@@ -263,7 +265,7 @@ class Endpoint:
         self.garbage_frames = 0  # dropped received messages (any reason), count
         self._pid = os.getpid()
         self._bound_files: list[str] = []  # ipc socket files this endpoint created
-        self._zap_domain: str | None = None  # its ZAP domain, once bound with curve
+        self._zap: _AllowedClients | None = None  # its ZAP allow list, once bound with curve
         self.socket = context().socket(socket_type)
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -279,9 +281,9 @@ class Endpoint:
         self._check_pid()
         check_address(address, allow_remote=allow_remote, curve=curve is not None)
         if curve is not None:
-            if self._zap_domain is not None:
+            if self._zap is not None:
                 raise ValueError(f"{self.name}: a socket binds with curve keys once")
-            self._zap_domain = _curve_server(self.socket, curve)
+            self._zap = _curve_server(self.socket, curve)
         self.socket.bind(address)
         resolved = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         if resolved.startswith("ipc://"):
@@ -303,9 +305,9 @@ class Endpoint:
         if os.getpid() != self._pid:  # a forked copy: the parent's context is not ours to touch
             return
         self.socket.close(linger=0)
-        if self._zap_domain is not None:  # nobody is admitted to a closed socket's domain
-            _forget_domain(self._zap_domain)
-            self._zap_domain = None
+        if self._zap is not None:  # nobody is admitted to a closed socket's domain
+            self._zap.revoke()
+            self._zap = None
         for path in self._bound_files:  # libzmq also unlinks them, but later, in its own thread
             try:
                 os.unlink(path)
