@@ -1,4 +1,5 @@
-"""Command line: `instgenie edit | bench-step | profile | worker | serve | client | loadtest`."""
+"""Command line: `instgenie edit | bench-step | profile | worker | keys | serve | client |
+loadtest`."""
 
 from __future__ import annotations
 
@@ -310,6 +311,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ValidationError("policy", str(exc)) from None
     if config.worker.profile and not Path(config.worker.profile).is_file():
         raise ValidationError("profile", f"{config.worker.profile!r} is not a file")
+    curve = _worker_curve(args)
     setup_process("sup")
     worker, cache = resolve_cache(config.worker)  # "auto": from the machine (cache/budgets.py)
     config = dataclasses.replace(config, worker=worker)
@@ -322,12 +324,57 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(json.dumps(info), flush=True)
 
     try:
-        sup = Supervisor(config, args.address, allow_remote=args.allow_remote, on_ready=ready)
-    except ValueError as exc:  # a non-local address without --allow-remote
+        sup = Supervisor(config, args.address, allow_remote=args.allow_remote, curve=curve,
+                         on_ready=ready)  # fmt: skip
+    except ValueError as exc:  # a non-local address without --allow-remote and --curve-keys
         raise ValidationError("address", str(exc)) from None
     except zmq.ZMQError as exc:  # in use, or an ipc:// directory that does not exist
         raise ValidationError("address", f"cannot bind {args.address}: {exc}") from None
     return sup.run()
+
+
+def _worker_curve(args: argparse.Namespace):
+    """The worker's curve keys from --curve-keys (a 0600 file of `instgenie keys generate`), or
+    None; a non-loopback --address without them is refused before anything starts."""
+    from instgenie.curve import read_server_keys
+    from instgenie.ipc import is_local
+
+    if args.curve_keys is not None:
+        return read_server_keys(args.curve_keys)
+    if args.allow_remote and not is_local(args.address):
+        raise ValidationError(
+            "curve_keys", f"{args.address} is beyond loopback: pass --curve-keys FILE (made by "
+            "`instgenie keys generate -o FILE`); clients connect with its client file",
+        )  # fmt: skip
+    return None
+
+
+def cmd_keys_generate(args: argparse.Namespace) -> int:
+    """Write a new worker (server) key file and its client key file, both mode 0600."""
+    from instgenie.curve import CurveKeys, write_key_file
+
+    server = Path(args.output)
+    client = Path(args.client_output) if args.client_output else _client_key_path(server)
+    if client == server:
+        raise ValidationError("client_output", "must differ from -o")
+    for path in (server, client):  # both checked before either is written
+        if path.exists() or path.is_symlink():
+            raise ValidationError("output", f"{str(path)!r} exists; keys are never overwritten")
+    keys = CurveKeys.generate()
+    write_key_file(server, keys.server_side())
+    try:
+        write_key_file(client, keys.client_side())
+    except BaseException:  # a worker file without its client file would be useless
+        server.unlink()
+        raise
+    print(json.dumps({"server_keys": str(server), "client_keys": str(client),
+                      "server_public": keys.server_public}))  # fmt: skip
+    return 0
+
+
+def _client_key_path(server: Path) -> Path:
+    """worker.json -> worker-client.json (next to it)."""
+    return server.with_name(f"{server.stem}-client{server.suffix or '.json'}")
 
 
 def _sync(device: str) -> None:
@@ -393,11 +440,25 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--address", default="tcp://127.0.0.1:7700",
                         help="ZMQ address clients connect to (ipc:// or loopback tcp)")  # fmt: skip
     worker.add_argument("--allow-remote", action="store_true",
-                        help="allow binding a non-loopback tcp address")  # fmt: skip
+                        help="allow a non-loopback tcp address (needs --curve-keys)")  # fmt: skip
+    worker.add_argument(
+        "--curve-keys", default=None, metavar="FILE",
+        help="CurveZMQ server keys (a mode-0600 file of `instgenie keys generate`): only clients "
+        "holding the matching client keys connect; required beyond loopback",
+    )  # fmt: skip
     add_dataclass_args(worker, ModelConfig)
     add_dataclass_args(worker, LimitsConfig)
     add_dataclass_args(worker, WorkerConfig)
     worker.set_defaults(func=cmd_worker)
+
+    keys = sub.add_parser("keys", help="CurveZMQ keys for workers bound beyond loopback")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    gen = keys_sub.add_parser("generate", help="write a worker key file and its client key file")
+    gen.add_argument("-o", "--output", required=True,
+                     help="the worker's (server) key file, for `worker --curve-keys`")  # fmt: skip
+    gen.add_argument("--client-output", default=None,
+                     help="the clients' key file; default: OUTPUT's name + '-client'")  # fmt: skip
+    gen.set_defaults(func=cmd_keys_generate)
 
     from instgenie.server.commands import add_commands  # serve, client (light imports)
 

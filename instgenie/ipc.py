@@ -6,8 +6,18 @@
 
 Invariants (RELIABILITY.md item 14):
 - Addresses are `ipc://<path>` (not the abstract namespace, which has no permissions), `inproc://`,
-  or `tcp://127.x.x.x` / `tcp://[::1]`, for bind and connect alike, unless `allow_remote=True`
-  (ValueError otherwise). `ipc_address(tag)` makes unique paths in a private directory (0700),
+  or `tcp://127.x.x.x` / `tcp://[::1]`, for bind and connect alike. Any other address (a socket
+  beyond loopback) needs BOTH `allow_remote=True` and CurveZMQ keys (instgenie/curve.py): a
+  bound one `curve=ServerCurve`, a connecting one `curve=ClientCurve`; ValueError otherwise, so
+  no socket ever listens or talks in clear text beyond this host. Curve is optional on local
+  addresses (same guarantees there when given).
+- A socket bound with curve is a CURVE server (traffic encrypted, the server proves its key) and
+  is guarded by this process's one ZAP handler (zmq.auth ThreadAuthenticator, started before the
+  first such bind, never stopped): a connection is let in only if its client public key is one
+  of that socket's `ServerCurve.clients`, matched exactly (each socket its own ZAP domain; a
+  closed socket's domain admits nobody). Anything else never completes the handshake: none of
+  its frames reaches the socket (not even as garbage). Nothing is written to disk.
+- `ipc_address(tag)` makes unique paths in a private directory (0700),
   `<tmp>/instgenie-ipc-<pid>-<random>`, removed when its process exits, however it exits
   (ipc_dir_prefix says by whom).
 - Every socket sets ZMQ_MAXMSGSIZE (a peer sending more is disconnected by libzmq) and LINGER 0
@@ -33,13 +43,19 @@ import secrets
 import shutil
 import stat
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from instgenie.wire import MAX_MESSAGE_BYTES, Message, MessageError, decode, encode
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
+
+    from instgenie.curve import ClientCurve, ServerCurve
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +86,16 @@ def context() -> zmq.Context:
     return zmq.Context.instance()
 
 
-def check_address(address: str, *, allow_remote: bool = False) -> str:
-    """`address` if it is local (see the module invariants) or allow_remote; else ValueError."""
+def is_local(address: str) -> bool:
+    """Whether `address` stays on this host: ipc://, inproc:// or loopback tcp."""
+    return (
+        address.startswith(("ipc://", "inproc://")) or _TCP_LOOPBACK.fullmatch(address) is not None
+    )
+
+
+def check_address(address: str, *, allow_remote: bool = False, curve: bool = False) -> str:
+    """`address` if it is local (see the module invariants), or if it is not but allow_remote
+    and `curve` (the socket uses CurveZMQ) are both set; else ValueError."""
     if not isinstance(address, str):
         raise TypeError(f"address must be a str, got {type(address).__name__}")
     if address.startswith("ipc://"):
@@ -79,12 +103,78 @@ def check_address(address: str, *, allow_remote: bool = False) -> str:
         if not path or path.startswith("@") or len(path.encode()) > _SUN_PATH_MAX:
             raise ValueError(f"ipc address needs a filesystem path of at most 107 bytes: {address}")
         return address
-    if allow_remote or _TCP_LOOPBACK.fullmatch(address) or address.startswith("inproc://"):
+    if is_local(address):
         return address
-    raise ValueError(
-        f"refusing non-local address {address!r}: use ipc://, tcp://127.0.0.1:* "
-        "or pass allow_remote=True"
-    )
+    if not allow_remote:
+        raise ValueError(
+            f"refusing non-local address {address!r}: use ipc://, tcp://127.0.0.1:* "
+            "or pass allow_remote=True with CurveZMQ keys"
+        )
+    if not curve:
+        raise ValueError(
+            f"refusing non-local address {address!r} without CurveZMQ: a socket beyond "
+            "loopback needs curve keys (instgenie.curve.CurveKeys; `instgenie keys generate`)"
+        )
+    return address
+
+
+# ---- CurveZMQ: one ZAP handler per process, an exact allow list per bound socket --------------
+class _AllowedClients:
+    """A ZAP credentials provider: the client public keys (z85) one bound socket accepts.
+    It stays registered for the process's life (removing a domain would race the authenticator
+    thread's lookup); `revoke` empties it when its socket closes (a few hundred bytes each)."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = frozenset(k.encode("ascii") for k in keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:  # called in the authenticator thread
+        return key in self.keys
+
+    def revoke(self) -> None:
+        self.keys = frozenset()  # one reference swap: atomic for the authenticator thread
+
+
+_auth: tuple[int, ThreadAuthenticator] | None = None  # (pid, this process's ZAP handler)
+_auth_lock = threading.Lock()
+
+
+def _authenticator() -> ThreadAuthenticator:
+    """This process's ZAP handler on context(), started on first use (a forked child, or a new
+    context, gets its own: the parent's thread and context are not in it). Runs until the
+    process exits."""
+    global _auth
+    with _auth_lock:
+        if _auth is None or _auth[0] != os.getpid() or _auth[1].context is not context():
+            from zmq.auth.thread import ThreadAuthenticator  # (asyncio: only where curve is used)
+
+            auth = ThreadAuthenticator(context(), log=logging.getLogger("instgenie.ipc.zap"))
+            auth.start()
+            _auth = (os.getpid(), auth)
+        return _auth[1]
+
+
+def _curve_server(socket: zmq.Socket, curve: ServerCurve) -> _AllowedClients:
+    """Make `socket` (not bound yet) a CURVE server whose own ZAP domain admits exactly
+    curve.clients; returns that allow list (revoke it when the socket closes)."""
+    auth = _authenticator()  # before the bind: a CURVE server without a ZAP handler admits anyone
+    domain = f"instgenie-{secrets.token_hex(8)}"
+    allowed = _AllowedClients(curve.clients)
+    auth.configure_curve_callback(domain, allowed)
+    socket.setsockopt(zmq.CURVE_SERVER, 1)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode("ascii"))
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, curve.public.encode("ascii"))
+    socket.setsockopt_string(zmq.ZAP_DOMAIN, domain)
+    try:  # a draft option in some builds: refuse, not admit, should the handler ever be missing
+        socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    except zmq.ZMQError:
+        pass
+    return allowed
+
+
+def _curve_client(socket: zmq.Socket, curve: ClientCurve) -> None:
+    socket.setsockopt(zmq.CURVE_SERVERKEY, curve.server.encode("ascii"))
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, curve.public.encode("ascii"))
+    socket.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode("ascii"))
 
 
 def ipc_address(tag: str) -> str:
@@ -175,6 +265,7 @@ class Endpoint:
         self.garbage_frames = 0  # dropped received messages (any reason), count
         self._pid = os.getpid()
         self._bound_files: list[str] = []  # ipc socket files this endpoint created
+        self._zap: _AllowedClients | None = None  # its ZAP allow list, once bound with curve
         self.socket = context().socket(socket_type)
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -182,24 +273,41 @@ class Endpoint:
         self.socket.setsockopt(zmq.RCVHWM, hwm)
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def bind(self, address: str, *, allow_remote: bool = False) -> str:
-        """Bind; returns the resolved address (the port chosen for `tcp://127.0.0.1:*`)."""
+    def bind(
+        self, address: str, *, allow_remote: bool = False, curve: ServerCurve | None = None
+    ) -> str:
+        """Bind; returns the resolved address (the port chosen for `tcp://127.0.0.1:*`).
+        With `curve`, a CURVE server admitting only curve.clients (required beyond loopback)."""
         self._check_pid()
-        self.socket.bind(check_address(address, allow_remote=allow_remote))
+        check_address(address, allow_remote=allow_remote, curve=curve is not None)
+        if curve is not None:
+            if self._zap is not None:
+                raise ValueError(f"{self.name}: a socket binds with curve keys once")
+            self._zap = _curve_server(self.socket, curve)
+        self.socket.bind(address)
         resolved = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         if resolved.startswith("ipc://"):
             self._bound_files.append(resolved[len("ipc://") :])
         return resolved
 
-    def connect(self, address: str, *, allow_remote: bool = False) -> None:
+    def connect(
+        self, address: str, *, allow_remote: bool = False, curve: ClientCurve | None = None
+    ) -> None:
+        """Connect; with `curve`, as a CURVE client (required beyond loopback)."""
         self._check_pid()
-        self.socket.connect(check_address(address, allow_remote=allow_remote))
+        check_address(address, allow_remote=allow_remote, curve=curve is not None)
+        if curve is not None:
+            _curve_client(self.socket, curve)
+        self.socket.connect(address)
 
     def close(self) -> None:
         """Close the socket (dropping unsent messages) and remove its ipc files. Idempotent."""
         if os.getpid() != self._pid:  # a forked copy: the parent's context is not ours to touch
             return
         self.socket.close(linger=0)
+        if self._zap is not None:  # nobody is admitted to a closed socket's domain
+            self._zap.revoke()
+            self._zap = None
         for path in self._bound_files:  # libzmq also unlinks them, but later, in its own thread
             try:
                 os.unlink(path)
@@ -326,17 +434,25 @@ class Server(Endpoint):
     _frames = 2
 
     def __init__(
-        self, address: str | None = None, *, allow_remote: bool = False, **options: Any
+        self,
+        address: str | None = None,
+        *,
+        allow_remote: bool = False,
+        curve: ServerCurve | None = None,
+        **options: Any,
     ) -> None:
-        """Bind to `address` if given; options are Endpoint's (accept, max_message_bytes, ...)."""
+        """Bind to `address` if given (with `curve`: see bind); options are Endpoint's (accept,
+        max_message_bytes, ...)."""
         options.setdefault("name", f"server {address}")
         super().__init__(zmq.ROUTER, **options)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a drop
-        self.address = None if address is None else self._bind_or_close(address, allow_remote)
+        self.address = (
+            None if address is None else self._bind_or_close(address, allow_remote, curve)
+        )
 
-    def _bind_or_close(self, address: str, allow_remote: bool) -> str:
+    def _bind_or_close(self, address: str, allow_remote: bool, curve: ServerCurve | None) -> str:
         try:
-            return self.bind(address, allow_remote=allow_remote)
+            return self.bind(address, allow_remote=allow_remote, curve=curve)
         except BaseException:
             self.close()
             raise
@@ -359,16 +475,18 @@ class ClientSocket(Endpoint):
         address: str | None = None,
         *,
         allow_remote: bool = False,
+        curve: ClientCurve | None = None,
         identity: bytes | None = None,
         **options: Any,
     ) -> None:
+        """Connect to `address` if given (with `curve`: see connect)."""
         options.setdefault("name", f"client {address}")
         super().__init__(zmq.DEALER, **options)
         if identity is not None:
             self.socket.setsockopt(zmq.ROUTING_ID, identity)
         try:
             if address is not None:
-                self.connect(address, allow_remote=allow_remote)
+                self.connect(address, allow_remote=allow_remote, curve=curve)
         except BaseException:
             self.close()
             raise

@@ -312,3 +312,41 @@ def test_ctrl_c_exits_130_without_a_traceback_or_a_file(tmp_path, capsys, monkey
     assert main(["edit", "--prompt", "x", "-o", str(tmp_path / "o.png")]) == 130
     assert capsys.readouterr().err == "interrupted\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_keys_generate_writes_a_private_worker_file_and_its_client_file(tmp_path, capsys) -> None:
+    from instgenie.curve import read_client_keys, read_server_keys
+
+    assert main(["keys", "generate", "-o", str(tmp_path / "w.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    server, client = Path(out["server_keys"]), Path(out["client_keys"])
+    assert (server.name, client.name) == ("w.json", "w-client.json")
+    assert {p.stat().st_mode & 0o777 for p in (server, client)} == {0o600}
+    s, c = read_server_keys(server), read_client_keys(client)
+    assert s.clients == (c.public,) and c.server == s.public == out["server_public"]
+    assert s.secret not in json.dumps(out) and c.secret not in json.dumps(out)
+    before = server.read_bytes()  # an existing file is never overwritten
+    args = ["keys", "generate", "-o", str(server), "--client-output", str(tmp_path / "c.json")]
+    assert main(args) == EXIT_INVALID_INPUT
+    assert "never overwritten" in capsys.readouterr().err
+    assert server.read_bytes() == before and not (tmp_path / "c.json").exists()
+
+
+def test_worker_beyond_loopback_needs_private_curve_keys(tmp_path, capsys) -> None:
+    assert main(["keys", "generate", "-o", str(tmp_path / "w.json")]) == 0
+    capsys.readouterr()
+    server, client = tmp_path / "w.json", tmp_path / "w-client.json"
+    shared = tmp_path / "shared.json"
+    shared.write_bytes(server.read_bytes())
+    shared.chmod(0o644)
+    remote = ["--address", "tcp://0.0.0.0:7701"]
+    for args, message in (
+        ([*remote, "--allow-remote"], "curve_keys: tcp://0.0.0.0:7701 is beyond loopback: "
+                                      "pass --curve-keys FILE"),
+        ([*remote, "--allow-remote", "--curve-keys", str(shared)], "has mode 0644"),
+        ([*remote, "--allow-remote", "--curve-keys", str(client)], "expected curve server keys"),
+        ([*remote, "--curve-keys", str(server)], "address: refusing non-local address"),
+    ):  # fmt: skip
+        assert main(["worker", "--model", "sd2-inpaint:tiny", *args]) == EXIT_INVALID_INPUT, args
+        err = capsys.readouterr().err
+        assert "invalid input: " in err and message in err, (args, err)

@@ -21,6 +21,7 @@ import zmq
 from instgenie import ipc
 from instgenie import messages as m
 from instgenie import wire as w
+from instgenie.curve import CurveKeys
 
 SUBMIT = m.SubmitEdit(uid="u1", image=b"\x89PNG", mask=b"m", prompt="hat", seed=3)
 GARBAGE = [
@@ -169,8 +170,12 @@ def test_non_local_addresses_are_refused(address: str) -> None:
         ipc.Channel.push(address)
 
 
-def test_allow_remote_is_explicit() -> None:
-    with ipc.Server("tcp://0.0.0.0:*", allow_remote=True) as srv:
+def test_allow_remote_is_explicit_and_needs_curve() -> None:
+    """(CurveZMQ itself: tests/test_ipc_curve.py.)"""
+    with pytest.raises(ValueError, match="without CurveZMQ"):
+        ipc.Server("tcp://0.0.0.0:*", allow_remote=True)
+    keys = CurveKeys.generate()
+    with ipc.Server("tcp://0.0.0.0:*", allow_remote=True, curve=keys.server_side()) as srv:
         assert srv.address is not None and srv.address.startswith("tcp://0.0.0.0:")
 
 

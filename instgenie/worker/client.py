@@ -33,6 +33,7 @@ import zmq
 
 import instgenie
 from instgenie.config import Config, to_dict
+from instgenie.curve import ClientCurve, CurveKeys
 from instgenie.errors import EXIT_MODEL_LOAD, InstGenIEError
 from instgenie.ipc import ClientSocket, ipc_address, remove_ipc_dirs
 from instgenie.messages import (
@@ -85,9 +86,15 @@ class EditHandle:
 
 
 class WorkerClient:
-    def __init__(self, address: str, *, allow_remote: bool = False) -> None:
+    def __init__(
+        self, address: str, *, allow_remote: bool = False, curve: ClientCurve | None = None
+    ) -> None:
+        """Talk to the worker at `address`. With `curve` (the cluster's CurveKeys.client_side())
+        the socket is a CURVE client, which a worker bound with curve requires, and `address`
+        may be non-loopback (curve is the opt-in: allow_remote is implied)."""
         self.address = address
-        self._allow_remote = allow_remote
+        self._allow_remote = allow_remote or curve is not None
+        self._curve = curve
         self._outgoing: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
@@ -241,7 +248,8 @@ class WorkerClient:
         os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
-        sock = ClientSocket(self.address, allow_remote=self._allow_remote, accept=WorkerToClient)
+        sock = ClientSocket(self.address, allow_remote=self._allow_remote, curve=self._curve,
+                            accept=WorkerToClient)  # fmt: skip
         poller = zmq.Poller()
         poller.register(sock.socket, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -323,21 +331,32 @@ class WorkerClient:
 
 
 class WorkerHandle:
-    """A worker started as a subprocess, with a connected client. Closing shuts it down."""
+    """A worker started as a subprocess, with a connected client. Closing shuts it down.
 
-    def __init__(self, config: Config, address: str | None = None) -> None:
+    With `curve` (the cluster's CurveKeys) the worker's socket is a CURVE server admitting only
+    curve's client key, `address` may be non-loopback (e.g. `tcp://0.0.0.0:PORT`; a fixed
+    port: the address clients connect to is this one), and this handle's own client connects
+    with curve.client_side(). The server keys reach the supervisor through its stdin (a pipe,
+    closed once written), never its argv or environment."""
+
+    def __init__(
+        self, config: Config, address: str | None = None, curve: CurveKeys | None = None
+    ) -> None:
         self.address = address or ipc_address("worker")
         #: the socket file of an address made here (our private ipc directory): removed once the
         #: supervisor has exited, which it cannot do itself when killed
         self._own_socket = Path(self.address.removeprefix("ipc://")) if address is None else None
         spec = {"address": self.address, "config": to_dict(config), "die_with_parent": True,
-                "parent": os.getpid()}  # fmt: skip
+                "parent": os.getpid(), "curve_stdin": curve is not None}  # fmt: skip
         env = dict(os.environ)
         root = str(Path(instgenie.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", "instgenie.worker.lifeline", "supervisor", json.dumps(spec)]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-        self.client = WorkerClient(self.address)
+        stdin = subprocess.DEVNULL if curve is None else subprocess.PIPE
+        self.proc = subprocess.Popen(cmd, env=env, stdin=stdin)
+        if curve is not None:
+            _write_secret(self.proc, json.dumps(curve.server_side().to_dict()).encode())
+        self.client = WorkerClient(self.address, curve=curve and curve.client_side())
         self._watch = threading.Thread(target=self._watch_exit, daemon=True)
         self._watch.start()
 
@@ -394,9 +413,27 @@ class WorkerHandle:
         self.close(drain=False)
 
 
-def start_worker(config: Config, *, address: str | None = None, timeout: float = 300.0):
+def _write_secret(proc: subprocess.Popen, data: bytes) -> None:
+    """Hand `data` to `proc` on its stdin pipe and close it (a few hundred bytes: the pipe
+    buffer takes them without blocking). A process that died first reads nothing: its exit
+    status tells why (wait_ready)."""
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(data)
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+
+
+def start_worker(
+    config: Config,
+    *,
+    address: str | None = None,
+    curve: CurveKeys | None = None,
+    timeout: float = 300.0,
+):
     """Start a worker subprocess and wait until it serves; the caller closes the handle."""
-    handle = WorkerHandle(config, address)
+    handle = WorkerHandle(config, address, curve)
     try:
         handle.wait_ready(timeout)
     except BaseException:

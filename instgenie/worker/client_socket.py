@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from instgenie.curve import ServerCurve
 from instgenie.ipc import Server
 from instgenie.messages import EditDone, EditFailed, TemplateReady
 from instgenie.wire import ClientToWorker, Message
@@ -19,9 +20,13 @@ MAX_CLIENTS = 10_000  # identities remembered for WorkerReady broadcasts
 
 
 class ClientSocket:
-    def __init__(self, address: str, *, allow_remote: bool) -> None:
-        self.server = Server(address, allow_remote=allow_remote, accept=ClientToWorker,
-                             name="worker")  # fmt: skip
+    def __init__(
+        self, address: str, *, allow_remote: bool, curve: ServerCurve | None = None
+    ) -> None:
+        """Bind `address`; with `curve`, only clients holding one of curve.clients' keys get a
+        connection (required for a non-loopback address: ipc.py)."""
+        self.server = Server(address, allow_remote=allow_remote, curve=curve,
+                             accept=ClientToWorker, name="worker")  # fmt: skip
         self.address = self.server.address
         self._clients: dict[bytes, None] = {}  # insertion-ordered: the oldest is forgotten first
 

@@ -6,7 +6,8 @@ outlives it.
     python -m instgenie.worker.lifeline child '<json spec>'        # spawned by the supervisor
 
 spec["parent"] is the spawner's pid: a process whose parent is already gone when the signal is
-armed (reparented) exits at once.
+armed (reparented) exits at once. Secrets (a supervisor's curve keys, spec["curve_stdin"]) come
+on stdin, never in this world-readable argv.
 
 Linux delivers PR_SET_PDEATHSIG when the *thread* that spawned the process exits, not the
 process: spawn workers from a thread that lives as long as they should (the main thread, or a

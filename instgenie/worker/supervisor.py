@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 from instgenie.cache.budgets import is_resolved, resolve_cache
 from instgenie.config import Config, from_dict
+from instgenie.curve import ServerCurve
 from instgenie.errors import EXIT_MODEL_LOAD
 from instgenie.ipc import Channel, Server, poll
 from instgenie.logs import setup_process
@@ -90,6 +91,7 @@ class Supervisor:
         address: str,
         *,
         allow_remote: bool = False,
+        curve: ServerCurve | None = None,
         on_ready: Callable[[WorkerReady], None] | None = None,
     ) -> None:
         if not is_resolved(config.worker):  # `auto` cache settings: from the machine, once
@@ -103,7 +105,7 @@ class Supervisor:
         self.closing: Shutdown | None = None
         self.started = time.monotonic()
         w = config.worker
-        self.clients = ClientSocket(address, allow_remote=allow_remote)
+        self.clients = ClientSocket(address, allow_remote=allow_remote, curve=curve)
         self.address = self.clients.address
         self.children = ChildProcesses(
             config, inline=get_policy(w.policy).inline_stages, may_restart=self._may_restart,
@@ -337,10 +339,15 @@ class Supervisor:
 
 def main(argv: list[str] | None = None) -> int:
     """python -m instgenie.worker.lifeline supervisor '<json>': {"address", "config",
-    "die_with_parent", "parent"} (lifeline arms the parent-death signal before the imports)."""
+    "die_with_parent", "parent", "curve_stdin"} (lifeline arms the parent-death signal before
+    the imports). With "curve_stdin", the socket's curve keys (ServerCurve.to_dict JSON) are
+    read from stdin, a pipe from the spawner, to its end: secrets never travel in argv (readable
+    by every user in /proc/<pid>/cmdline) nor in the environment."""
     spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
     setup_process("sup")
-    sup = Supervisor(from_dict(Config, spec["config"]), spec["address"])
+    curve = ServerCurve.from_dict(json.loads(sys.stdin.read())) if spec.get("curve_stdin") else None
+    sup = Supervisor(from_dict(Config, spec["config"]), spec["address"],
+                     allow_remote=curve is not None, curve=curve)  # fmt: skip
     return sup.run()
 
 

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from instgenie.config import ExecConfig, to_dict
 from instgenie.ipc import ipc_address
 from instgenie.worker.client import WorkerClient
@@ -68,3 +70,35 @@ def test_worker_command_refuses_a_remote_address() -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert "address" in err and "refusing non-local address" in err
+
+
+def test_worker_command_beyond_loopback_with_curve_keys(tmp_path: Path) -> None:
+    """`--address tcp://0.0.0.0:PORT --allow-remote --curve-keys FILE`: clients holding the
+    client file's keys are served, others get no answer."""
+    from instgenie.cli import main
+    from instgenie.curve import CurveKeys, read_client_keys
+    from tests.curve_helpers import free_tcp_port
+
+    assert main(["keys", "generate", "-o", str(tmp_path / "w.json")]) == 0
+    port = free_tcp_port()
+    proc = _cli("--model", "sd2-inpaint:tiny", "--address", f"tcp://0.0.0.0:{port}",
+                "--allow-remote", "--curve-keys", str(tmp_path / "w.json"))  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        assert json.loads(line)["address"] == f"tcp://0.0.0.0:{port}"
+        address = f"tcp://127.0.0.1:{port}"
+        with WorkerClient(address, curve=read_client_keys(tmp_path / "w-client.json")) as client:
+            assert client.stats(timeout=30)["ready"] == 1
+        with WorkerClient(address, curve=CurveKeys.generate().client_side()) as stranger:
+            with pytest.raises(TimeoutError):
+                stranger.stats(timeout=3)
+        with WorkerClient(address) as plain:
+            with pytest.raises(TimeoutError):
+                plain.stats(timeout=3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
