@@ -41,6 +41,9 @@ class WorkerSlot:
     index: int  # position in the pool, 0-based (= the device's position in --devices)
     config: Config  # the worker's config (its device in config.model.device)
     slots: int  # most requests sent to it at once, count
+    #: the node (host) it runs on: the Ray node id in cluster mode, "local" on one host; the
+    #: workers of one node share its DRAM and disk cache tiers
+    node: str = "local"
     handle: WorkerHandle | None = None
     state: str = "starting"  # "starting" | "up" | "restarting" | "failed" | "stopped"
     #: uid -> the dispatcher's future of each request sent and not answered (event loop only)
