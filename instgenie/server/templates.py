@@ -21,7 +21,7 @@ Invariants (event loop thread only):
 - With a state database (state_db.py), `records` is what the database holds: a registration or
   deletion is committed there first, then applied here (one at a time, under `_lock`; the
   commit runs on the database's writer thread), so the API answers only durable changes and a
-  restarted server reloads the same templates (`load`) and builds them on every worker again.
+  restarted server reloads the same templates (`load`) and places each on a node again.
 """
 
 from __future__ import annotations
@@ -104,6 +104,9 @@ class TemplateRegistry:
         self._lock = asyncio.Lock()  # one registration/deletion at a time (check, commit, apply)
         #: slot index -> (its last Stats.residency, monotonic time that answer was asked for)
         self._reports: dict[int, tuple[dict[str, dict[str, int]], float]] = {}
+        #: slot index -> template id -> its build answered ok, until a report asked for since
+        #: covers it (`_apply`)
+        self._fresh: dict[int, dict[str, WorkerBuild]] = {}
 
     def load(self) -> int:
         """Reload the stored templates and build each on its node (at start, on the event
@@ -119,19 +122,24 @@ class TemplateRegistry:
     # ---- placement --------------------------------------------------------------------------
     def node_views(self) -> list[NodeView]:
         """Every node with a worker, as placement sees it: its accepting workers, its DRAM tier's
-        free bytes (capacity less bytes held, from any of its workers' counters; -1 unknown)
-        and the templates resident on it in any tier."""
+        free bytes (capacity less bytes held, from its workers' latest counters; -1 unknown)
+        and the templates resident on it in any tier or being built there."""
         nodes: dict[str, list[WorkerSlot]] = {}
         for s in self.pool.slots:
             nodes.setdefault(s.node, []).append(s)
+        building: dict[int, set[str]] = {}  # slot index -> templates it is building
+        for tid, rec in self.records.items():
+            for index, b in rec.builds.items():
+                if b.state == "building":
+                    building.setdefault(index, set()).add(tid)
         views = []
         for node, slots in sorted(nodes.items()):
             free = -1
-            for s in slots:
+            for s in sorted(slots, key=lambda s: s.stats_at):  # the latest answer last
                 cap, used = s.stats.get("cache_budget_dram_bytes"), s.stats.get("cache_bytes_dram")
                 if cap is not None and used is not None:
-                    free = max(free, int(cap - used))
-            held = set().union(*(s.templates_ready for s in slots))
+                    free = int(cap - used)
+            held = set().union(*(s.templates_ready | building.get(s.index, set()) for s in slots))
             accepting = sum(1 for s in slots if s.accepting)
             views.append(NodeView(node=node, workers=accepting, dram_free_bytes=free,
                                   templates=len(held)))  # fmt: skip
@@ -247,6 +255,7 @@ class TemplateRegistry:
             build.state, build.build_ms = "ready", reply.build_ms
             build.bytes_by_tier = dict(reply.bytes_by_tier)
             build.ready_at = time.monotonic()
+            self._fresh.setdefault(slot.index, {})[tid] = build
             slot.templates_ready.add(tid)
             slot.template_tiers[tid] = fastest_tier(build.bytes_by_tier)
         elif exc is None:
@@ -272,6 +281,8 @@ class TemplateRegistry:
         rec = self.records.pop(template_id)
         for residency, _ in self._reports.values():
             residency.pop(template_id, None)
+        for fresh in self._fresh.values():
+            fresh.pop(template_id, None)
         for slot in self.pool.slots:
             slot.templates_ready.discard(template_id)
             slot.template_tiers.pop(template_id, None)
@@ -287,6 +298,7 @@ class TemplateRegistry:
         """A (re)started worker: build again what it had build records for (its node's
         DRAM/disk tiers answer at once for caches that survived)."""
         self._reports.pop(slot.index, None)
+        self._fresh.pop(slot.index, None)
         for rec in self.records.values():
             if slot.index in rec.builds:
                 self._build(rec, slot)
@@ -296,7 +308,10 @@ class TemplateRegistry:
         """A Stats answer of `slot` (asked for at monotonic `asked_at`) said where its
         templates' caches live: refresh `templates_ready` / `template_tiers` of every worker of
         its node (they share its DRAM and disk tiers)."""
+        old = self._reports.get(slot.index)
         self._reports[slot.index] = (dict(residency), asked_at)
+        if old is not None and old[0] == residency and not self._fresh.get(slot.index):
+            return  # the same as its last answer: nothing changed on the node
         for s in self.pool.slots:
             if s.node == slot.node:
                 self._apply(s)
@@ -305,6 +320,8 @@ class TemplateRegistry:
         """`slot`'s view from its own last report (every tier), its node's other accepting
         workers' reports (their DRAM/disk tiers only) and the builds answered ok since its
         report was asked for; registered templates only."""
+        if not slot.accepting:  # down or restarting: the pool cleared it; resync() rebuilds
+            return
         # no report of its own yet: every build it answered ok stands
         own, asked_at = self._reports.get(slot.index, ({}, -math.inf))
         tiers: dict[str, dict[str, int]] = {}
@@ -321,11 +338,15 @@ class TemplateRegistry:
         for s in self.pool.slots:
             if s is not slot and s.node == slot.node and s.accepting and s.index in self._reports:
                 add(self._reports[s.index][0], shared_only=True)
-        for tid, rec in self.records.items():
-            b = rec.builds.get(slot.index)
-            if b is not None and b.state == "ready" and b.ready_at >= asked_at:
-                for tier, n in b.bytes_by_tier.items():
-                    tiers.setdefault(tid, {}).setdefault(tier, n)
+        fresh = self._fresh.get(slot.index, {})
+        for tid, b in list(fresh.items()):
+            rec = self.records.get(tid)
+            if rec is None or rec.builds.get(slot.index) is not b or b.ready_at < asked_at:
+                del fresh[tid]  # forgotten, rebuilt, or its report covers it
+                continue
+            held = tiers.setdefault(tid, {})
+            for tier, n in b.bytes_by_tier.items():
+                held.setdefault(tier, n)
         slot.templates_ready = set(tiers)
         slot.template_tiers = {tid: fastest_tier(by_tier) for tid, by_tier in tiers.items()}
 

@@ -24,7 +24,12 @@ from instgenie.server.config import ServerConfig
 from instgenie.server.native import _template_view
 from instgenie.server.pool import WorkerPool, WorkerSlot
 from instgenie.server.runtime import Runtime
-from instgenie.server.templates import TemplateRecord, TemplateRegistry, template_id_of
+from instgenie.server.templates import (
+    TemplateRecord,
+    TemplateRegistry,
+    WorkerBuild,
+    template_id_of,
+)
 from instgenie.tensorshm import SHM_DIR
 from tests.conftest import make_image, make_mask, png_bytes
 
@@ -204,5 +209,11 @@ def test_placement_prefers_the_node_with_the_most_free_dram() -> None:
     views = {v.node: v for v in reg.node_views()}
     assert (views["n0"].workers, views["n0"].dram_free_bytes) == (2, 10)
     assert (views["n1"].workers, views["n1"].dram_free_bytes) == (1, 80)
+    assert (views["n0"].templates, views["n1"].templates) == (0, 0)
+    rec = _template(1)
+    reg.records[rec.template_id] = rec
+    rec.builds[2] = WorkerBuild()  # being built on n1: counted there (a burst spreads)
+    a.templates_ready = {"ee" * 32}
+    assert [v.templates for v in reg.node_views()] == [1, 1]
     c.state = "restarting"  # no accepting worker: never placed there
     assert reg.node_views()[1].workers == 0
