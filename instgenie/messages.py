@@ -259,6 +259,11 @@ class TemplateReady(WorkerToClient):  # outcome of RegisterTemplate (sup)
 class Stats(WorkerToClient):  # reply to GetStats (sup)
     counters: dict[str, float]  # counters and gauges; units in the name (*_ms, *_bytes)
     cost: CostSpec | None = None  # when GetStats.cost and the loop has reported it
+    #: template id -> {tier: bytes} of every template the worker knows whose cache is resident
+    #: now, as of the loop's last report: "gpu" | "cpu" (its loop's device store), "dram" |
+    #: "disk" (the node's host tiers, shared by its workers); inclusive (a template in DRAM and
+    #: on disk lists both); an evicted or dropped template is absent
+    residency: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -310,6 +315,10 @@ class LoopSteps(Internal):  # step log entries since the last LoopSteps (loop ->
     #: sent at most once a second or after the loop added/deleted an entry, else empty; always
     #: empty without a host cache
     cache: dict[str, float] = field(default_factory=dict)
+    #: template id -> {tier: bytes} resident now (Stats.residency), read with the host counters
+    #: (at most once a second, or at once after this loop added or deleted an entry); None:
+    #: unchanged since the last LoopSteps that carried one
+    residency: dict[str, dict[str, int]] | None = None
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

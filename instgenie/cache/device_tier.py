@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -176,6 +177,20 @@ class DeviceTierStore:
         host = _tier_of(self.host, key)
         if host not in ("absent", "building"):
             out[host] = self.host.meta(key).nbytes
+        return out
+
+    def residency(self, keys: Iterable[str]) -> dict[str, dict[str, int]]:
+        """key -> {tier: bytes} for each of `keys` held now: this tier's resident copies and the
+        host's tiers (inclusive, as bytes_by_tier), in one host query."""
+        keys = list(keys)
+        fn = getattr(self.host, "residency", None)
+        out = {k: dict(v) for k, v in (fn(keys) if fn is not None else {}).items()}
+        self._poll()
+        with self._lock:
+            for k in keys:
+                c = self._hot.get(k)
+                if c is not None and c.ready:
+                    out.setdefault(k, {})[self.tier_name] = c.nbytes
         return out
 
     @property

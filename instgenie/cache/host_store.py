@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -90,6 +91,11 @@ class HostActivationStore:
 
     def tier(self, key: str) -> str:
         return self.tiered.status(key)
+
+    def residency(self, keys: Iterable[str]) -> dict[str, dict[str, int]]:
+        """key -> {"dram" | "disk": bytes} for each of `keys` ready in a host tier now
+        (TieredStore.residency: one index transaction, no meta file read)."""
+        return self.tiered.residency(keys)
 
     def meta(self, key: str) -> TemplateMeta:
         with self._lock:

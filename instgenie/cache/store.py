@@ -12,6 +12,7 @@ State machine per key: absent -> building (a writer exists) -> ready (commit) ; 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -150,6 +151,12 @@ class InMemoryStore:
     @property
     def nbytes(self) -> int:
         return sum(e.meta.nbytes for e in self._ready.values())
+
+    def residency(self, keys: Iterable[str]) -> dict[str, dict[str, int]]:
+        """key -> {its device's tier ("gpu" | "cpu"): bytes} for each of `keys` ready here."""
+        tier = tier_of(self, "")
+        with self._lock:
+            return {k: {tier: e.meta.nbytes} for k in keys if (e := self._ready.get(k))}
 
     def _store(self, t: torch.Tensor, quantize: bool = False) -> torch.Tensor | QuantizedRows:
         t = t.detach()

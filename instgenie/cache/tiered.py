@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -121,13 +121,27 @@ class TieredStore:
             return "building"
         return "disk" if disk == READY else "absent"
 
+    def residency(self, keys: Iterable[str]) -> dict[str, dict[str, int]]:
+        """key -> {tier: bytes} for each of `keys` ready in DRAM and/or on disk now (both when
+        both hold it; building and absent keys are left out), in one index transaction."""
+        out: dict[str, dict[str, int]] = {}
+        with self.dram.txn() as t:
+            for key in keys:
+                held = [(tier, t.idx.get(key, tier)) for tier in ("dram", "disk")]
+                tiers = {tier: e.nbytes for tier, e in held if e is not None and e.state == READY}
+                if tiers:
+                    out[key] = tiers
+        return out
+
     def stats(self) -> dict[str, Any]:
-        """This process's hit/miss/eviction counters plus the host's bytes/entries per tier."""
+        """This process's hit/miss/eviction counters plus the host's bytes/entries per tier and
+        each tier's capacity as the host index holds it (budget_<tier>_bytes)."""
         out: dict[str, Any] = {}
         with self.dram.txn() as t:
             for tier in ("dram", "disk"):
                 out[f"bytes_{tier}"] = t.idx.used(tier)
                 out[f"entries_{tier}"] = len(t.idx.entries(tier))
+                out[f"budget_{tier}_bytes"] = t.idx.capacities[tier]
             out["disk_enabled"] = t.idx.is_enabled("disk") and self.disk.enabled
         with self._lock:
             out.update(asdict(self.counters))

@@ -62,10 +62,19 @@ class Outcome:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, cfg: ServerConfig) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        policy: RoutingPolicy,
+        cfg: ServerConfig,
+        ensure: Callable[[WorkerSlot, str], None] | None = None,
+    ) -> None:
         self.pool = pool
         self.policy = policy
         self.cfg = cfg
+        #: called right before an edit of a template is sent to a worker, so that the worker
+        #: knows the template first (TemplateRegistry.ensure); None: nothing to ensure
+        self.ensure = ensure
         self.waiting: deque[Ticket] = deque()
         self.draining = False
         self._ids = itertools.count()
@@ -193,6 +202,8 @@ class Dispatcher:
             progress = lambda p: loop.call_soon_threadsafe(on_progress, p)  # noqa: E731
         msg = SubmitEdit(uid=ticket.uid, submitted_at=time.time(), **fields)
         try:
+            if self.ensure is not None and msg.template_id is not None:
+                self.ensure(slot, msg.template_id)  # RegisterTemplate, if needed, goes first
             handle = client.submit(msg, on_progress=progress)
         except (RuntimeError, MessageError) as exc:  # closed client; a field of the wrong type
             self._release(slot, ticket.uid)

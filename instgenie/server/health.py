@@ -1,13 +1,14 @@
 """Health: every worker is polled in the background; probes read the last result.
 
-One poll at a time per worker (stats, then the step log since the last poll), each bounded by
-`health_timeout_s`, on this module's own threads: a frozen worker makes its poll wait, never the
-probes, and polls never pile up (RELIABILITY #8). A worker can make progress when its supervisor
-is alive and answers, its processes are all up, and its loop's step counter moves while it holds
-requests (`WorkerSlot.health`). A supervisor found dead is reported to `on_death` once; every
-other finished poll to `on_poll` (the runtime hands queued requests to a worker that has just
-turned healthy: routing prefers healthy workers, and a queue waiting on full healthy workers
-would otherwise move only at the next request completion).
+One poll at a time per worker (stats, with where its templates' caches live, then the step log
+since the last poll), each bounded by `health_timeout_s`, on this module's own threads: a frozen
+worker makes its poll wait, never the probes, and polls never pile up (RELIABILITY #8). A worker
+can make progress when its supervisor is alive and answers, its processes are all up, and its
+loop's step counter moves while it holds requests (`WorkerSlot.health`). A supervisor found dead
+is reported to `on_death` once; every other finished poll to `on_residency` (where the worker's
+template caches live: TemplateRegistry.refresh), then to `on_poll` (the runtime hands queued
+requests to a worker that has just turned healthy: routing prefers healthy workers, and a queue
+waiting on full healthy workers would otherwise move only at the next request completion).
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ class HealthMonitor:
         on_death: Callable[[WorkerSlot, str], None],
         on_poll: Callable[[WorkerSlot], None] | None = None,
         cache: CacheDefaults | None = None,
+        on_residency: Callable[[WorkerSlot, dict[str, dict[str, int]], float], None] | None = None,
     ) -> None:
         self.pool = pool
+        #: each Stats answer's residency (template -> {tier: bytes}) with the monotonic time it
+        #: was asked for (TemplateRegistry.refresh), before on_poll
+        self.on_residency = on_residency
         #: the host cache the workers were started with (resolved once by the launcher)
         self.cache = cache
         self.cfg = cfg
@@ -96,14 +101,18 @@ class HealthMonitor:
             return
         loop = asyncio.get_running_loop()
         client, timeout = handle.client, self.cfg.health_timeout_s
+        asked_at = time.monotonic()
         try:
-            stats = await loop.run_in_executor(self._executor, client.stats, timeout)
+            report = await loop.run_in_executor(self._executor, client.report, timeout)
         except (TimeoutError, WorkerError, RuntimeError):
             self._fence(slot, handle)
             return  # stats_at stays old: unhealthy once health_timeout_s has passed
         if slot.handle is not handle:
             return
+        stats = report.counters
         slot.observe(stats, time.monotonic())
+        if self.on_residency is not None:
+            self.on_residency(slot, report.residency, asked_at)
         if self.on_poll is not None:
             self.on_poll(slot)
         steps = int(stats.get("steps_total", 0))

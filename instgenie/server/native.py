@@ -17,6 +17,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from instgenie.messages import Progress, RegisterTemplate
 from instgenie.server.errors import CANCELLED, CLIENT_DISCONNECTED, ApiError, printable
 from instgenie.server.jobs import Job, JobState
+from instgenie.server.metrics import fastest_tier
+from instgenie.server.pool import WorkerSlot
 from instgenie.server.runtime import EditSpec, Runtime
 from instgenie.server.schemas import (
     ERRORS,
@@ -59,18 +61,30 @@ def _template_view(rt: Runtime, rec: TemplateRecord) -> dict:
     """A template as the API shows it. Its texts pass through `printable`: a record stored
     before its text was validated (or with a worker's message quoting it) still renders."""
     workers, tiers = [], {}
+    slots, tid = rt.pool.slots, rec.template_id
+
+    def tier(s: WorkerSlot) -> str | None:  # the fastest tier holding it for `s` now
+        return s.template_tiers.get(tid, "unknown") if tid in s.templates_ready else None
+
     for index, b in sorted(rec.builds.items()):
         workers.append(
             {
                 "worker": index,
+                "node": slots[index].node,
                 "status": b.state,
+                "tier": tier(slots[index]),
                 "build_ms": b.build_ms,
                 "bytes_by_tier": b.bytes_by_tier,
                 "message": printable(b.message) if b.message else None,
             }
         )
-        for tier, n in b.bytes_by_tier.items():
-            tiers[tier] = tiers.get(tier, 0) + n
+        for t, n in b.bytes_by_tier.items():
+            tiers[t] = tiers.get(t, 0) + n
+    nodes = []
+    for node, node_state in rec.node_states(rt.pool).items():
+        held = {t: 1 for s in slots if s.node == node and (t := tier(s)) is not None}
+        nodes.append({"node": node, "status": node_state,
+                      "tier": fastest_tier(held) if held else None})  # fmt: skip
     state = rec.state(rt.pool)
     failed = [printable(b.message) for b in rec.builds.values() if b.state == "failed"]
     m = rec.msg
@@ -90,6 +104,7 @@ def _template_view(rt: Runtime, rec: TemplateRecord) -> dict:
         else None,
         "bytes_by_tier": tiers,
         "error": failed[0] if failed else None,
+        "nodes": nodes,
         "workers": workers,
     }
 

@@ -50,7 +50,8 @@ class WorkerSlot:
     config: Config  # the worker's config (its device in config.model.device)
     slots: int  # most requests sent to it at once, count
     handle: WorkerHandle | None = None  # or a cluster.handle.RemoteWorkerHandle
-    #: the node (host) it runs on: "local" on one host; in cluster mode the Ray node id
+    #: the node (host) it runs on: "local" on one host; in cluster mode the Ray node id; the
+    #: workers of one node share its DRAM and disk cache tiers
     node: str = LOCAL_NODE
     node_ip: str = ""  # that node's address ("" on one host)
     state: str = "starting"  # "starting" | "up" | "restarting" | "failed" | "stopped"

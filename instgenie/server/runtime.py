@@ -76,9 +76,9 @@ class Runtime:
         self.admission = CostAdmission(self.native, cfg.max_request_cost, cfg.max_request_seconds)
         self.started = time.time()
         self.metrics = Metrics()
-        self.dispatcher = Dispatcher(pool, make_policy(cfg.routing), cfg)
         self.state = state  # templates and jobs survive a restart in it; None: in memory only
         self.templates = TemplateRegistry(pool, cfg, state)
+        self.dispatcher = Dispatcher(pool, make_policy(cfg.routing), cfg, self.templates.ensure)
         self.jobs = JobTable(cfg.max_jobs, cfg.job_ttl_s, cfg.retry_after_s, state)
         # the host cache as the launcher resolved it (None: from the workers' configs)
         cache = cache or resolve_cache(pool.slots[0].config.worker)[1]
@@ -89,6 +89,7 @@ class Runtime:
             self.on_worker_death,
             lambda _slot: self.dispatcher.pump(),
             cache,
+            self.templates.refresh,
         )
         self.metrics.add_live(self._live)
         self._restarts: set[asyncio.Future] = set()

@@ -230,10 +230,23 @@ class JobResponse(BaseModel):
 
 class TemplateWorker(BaseModel):
     worker: int
+    node: str = Field(description='the node the worker runs on ("local" on one host)')
     status: Literal["building", "ready", "failed"]
+    tier: str | None = Field(
+        description="fastest tier holding the cache for this worker now (its own gpu/cpu, its "
+        "node's dram/disk), from its last stats; null when not resident (evicted, building)"
+    )
     build_ms: float
-    bytes_by_tier: dict[str, int]
+    bytes_by_tier: dict[str, int] = Field(description="where its build put the cache, bytes")
     message: str | None
+
+
+class TemplateNode(BaseModel):
+    node: str
+    status: Literal["building", "ready", "failed"] = Field(
+        description="ready once every accepting worker of the node that was sent it has it"
+    )
+    tier: str | None = Field(description="fastest tier holding it on the node now, or null")
 
 
 class TemplateResponse(BaseModel):
@@ -250,6 +263,9 @@ class TemplateResponse(BaseModel):
     build_ms: float | None = Field(description="slowest worker's build, ms; null until ready")
     bytes_by_tier: dict[str, int] = Field(description="cache bytes per tier, all workers")
     error: str | None
+    nodes: list[TemplateNode] = Field(
+        description="the nodes it was sent to: built where placement put it, then where edits ran"
+    )
     workers: list[TemplateWorker]
 
 

@@ -1,19 +1,27 @@
-"""Registered templates: one record per template id, built on every worker.
+"""Registered templates: one record per template id, built on one node, then where edits go.
 
 A template id is the sha256 of the template image's bytes (hex), so an edit that uploads the same
 image bytes (an OpenAI client, a native edit by image) finds it. Registration returns at once;
-each worker builds its cache (RegisterTemplate is sent at once, in order with later edits; the
-reply future is bridged to the event loop).
+its cache is built on every accepting worker of ONE node (scheduler/placement.py; one host = one
+node = every worker): RegisterTemplate is sent at once, in order with later edits, and the reply
+future is bridged to the event loop. A worker without a build record gets RegisterTemplate right
+before an edit of the template (`ensure`, called by the dispatcher): where its node's DRAM/disk
+holds the cache that answers at once and the edit reads it; elsewhere a capture starts and the
+edit runs the full path beside it (replication follows the router's prices: placement.py).
 Invariants (event loop thread only):
-- `slot.templates_ready` holds exactly the ids whose build on that worker succeeded, for the
-  worker's current incarnation (a build answered by a replaced worker is ignored; resync()
-  rebuilds every record on a restarted worker).
+- `slot.templates_ready` / `slot.template_tiers` are where each registered template's cache is
+  resident for that worker, as its last Stats answer says (`refresh`: an eviction is seen), with
+  the node's DRAM/disk tiers shared by every worker of the node (a sibling's report counts) and
+  "gpu"/"cpu" (a loop's device store) only for the worker that holds it; a build answered ok
+  since that answer was asked for is added at once. A build answered by a replaced worker is
+  ignored; resync() rebuilds on a restarted worker what it had build records for.
 - Overall state: "failed" if any worker refused the template (bad content fails everywhere),
-  else "ready" once every accepting worker has it, else "building".
+  else "ready" once, on at least one node, every accepting worker that was sent it has it
+  ready (on one host: every worker that was up at registration), else "building".
 - With a state database (state_db.py), `records` is what the database holds: a registration or
   deletion is committed there first, then applied here (one at a time, under `_lock`; the
   commit runs on the database's writer thread), so the API answers only durable changes and a
-  restarted server reloads the same templates (`load`) and builds them on every worker again.
+  restarted server reloads the same templates (`load`) and places each on a node again.
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 from instgenie.messages import RegisterTemplate
+from instgenie.scheduler.placement import NodeView, place
 from instgenie.server.config import ServerConfig
 from instgenie.server.errors import ApiError
 from instgenie.server.metrics import fastest_tier
@@ -33,6 +43,9 @@ from instgenie.server.state_db import StateDB, StateDBError, StoredTemplate
 from instgenie.worker.client import WorkerError
 
 log = logging.getLogger("instgenie.server")
+
+#: cache tiers a node's workers share (the host cache); "gpu"/"cpu" are one loop's own
+NODE_TIERS = ("dram", "disk")
 
 
 def template_id_of(image: bytes) -> str:
@@ -45,6 +58,7 @@ class WorkerBuild:
     message: str = ""  # why it failed
     build_ms: float = 0.0  # worker-reported registration -> ready, ms
     bytes_by_tier: dict[str, int] = field(default_factory=dict)  # cache bytes per tier
+    ready_at: float = 0.0  # monotonic time the server learnt it is ready (0: it is not)
 
 
 @dataclass
@@ -62,10 +76,23 @@ class TemplateRecord:
     def state(self, pool: WorkerPool) -> str:
         if any(b.state == "failed" for b in self.builds.values()):
             return "failed"
-        live = [s.index for s in pool.slots if s.accepting]
-        if live and all(self.builds.get(i, WorkerBuild()).state == "ready" for i in live):
+        if any(st == "ready" for st in self.node_states(pool).values()):
             return "ready"
         return "building"
+
+    def node_states(self, pool: WorkerPool) -> dict[str, str]:
+        """node -> its state, for every node with an accepting worker that was sent it:
+        "failed" if one of them refused it, "ready" once all of them have it, else "building"."""
+        nodes: dict[str, list[WorkerBuild]] = {}  # node -> builds of its accepting workers
+        for s in pool.slots:
+            if s.accepting and s.index in self.builds:
+                nodes.setdefault(s.node, []).append(self.builds[s.index])
+        return {
+            node: "failed" if any(b.state == "failed" for b in builds)
+            else "ready" if all(b.state == "ready" for b in builds)
+            else "building"
+            for node, builds in sorted(nodes.items())
+        }  # fmt: skip
 
 
 class TemplateRegistry:
@@ -75,19 +102,70 @@ class TemplateRegistry:
         self.db = db  # None: nothing survives a restart
         self.records: dict[str, TemplateRecord] = {}
         self._lock = asyncio.Lock()  # one registration/deletion at a time (check, commit, apply)
+        #: slot index -> (its last Stats.residency, monotonic time that answer was asked for)
+        self._reports: dict[int, tuple[dict[str, dict[str, int]], float]] = {}
+        #: slot index -> template id -> its build answered ok, until a report asked for since
+        #: covers it (`_apply`)
+        self._fresh: dict[int, dict[str, WorkerBuild]] = {}
 
     def load(self) -> int:
-        """Reload the stored templates and build them on every worker (at start, on the event
-        loop); the workers find caches that survived in the host's DRAM/disk tiers."""
+        """Reload the stored templates and build each on its node (at start, on the event
+        loop); the workers find caches that survived in the node's DRAM/disk tiers."""
         if self.db is None:
             return 0
         for st in self.db.load_templates():
             rec = TemplateRecord(st.msg, st.width, st.height, created=st.created)
             self.records[rec.template_id] = rec
-            for slot in self.pool.slots:
-                if slot.accepting:
-                    self._build(rec, slot)
+            self._place(rec)
         return len(self.records)
+
+    # ---- placement --------------------------------------------------------------------------
+    def node_views(self) -> list[NodeView]:
+        """Every node with a worker, as placement sees it: its accepting workers, its DRAM tier's
+        free bytes (capacity less bytes held, from its workers' latest counters; -1 unknown)
+        and the templates resident on it in any tier or being built there."""
+        nodes: dict[str, list[WorkerSlot]] = {}
+        for s in self.pool.slots:
+            nodes.setdefault(s.node, []).append(s)
+        building: dict[int, set[str]] = {}  # slot index -> templates it is building
+        for tid, rec in self.records.items():
+            for index, b in rec.builds.items():
+                if b.state == "building":
+                    building.setdefault(index, set()).add(tid)
+        views = []
+        for node, slots in sorted(nodes.items()):
+            free = -1
+            for s in sorted(slots, key=lambda s: s.stats_at):  # the latest answer last
+                cap, used = s.stats.get("cache_budget_dram_bytes"), s.stats.get("cache_bytes_dram")
+                if cap is not None and used is not None:
+                    free = int(cap - used)
+            held = set().union(*(s.templates_ready | building.get(s.index, set()) for s in slots))
+            accepting = sum(1 for s in slots if s.accepting)
+            views.append(NodeView(node=node, workers=accepting, dram_free_bytes=free,
+                                  templates=len(held)))  # fmt: skip
+        return views
+
+    def _place(self, rec: TemplateRecord) -> str | None:
+        """Build `rec` on every accepting worker of the node placement picks; that node (None:
+        no worker accepts; edits build it where they run, `ensure`)."""
+        node = place(self.node_views())
+        for slot in self.pool.slots:
+            if slot.node == node and slot.accepting:
+                self._build(rec, slot)
+        return node
+
+    def ensure(self, slot: WorkerSlot, template_id: str) -> None:
+        """Right before an edit of `template_id` is sent to `slot`: RegisterTemplate first when
+        the slot has no build record of it (sent on the same socket, so ordered before the
+        edit). Where the slot's node holds the cache it answers at once and the edit reads it;
+        elsewhere a capture starts and the edit runs the full path beside it."""
+        rec = self.records.get(template_id)
+        if rec is None or slot.index in rec.builds or slot.client is None or not slot.accepting:
+            return
+        try:
+            self._build(rec, slot)
+        except RuntimeError:  # the client closed: the worker is being replaced
+            rec.builds.pop(slot.index, None)
 
     async def _commit(self, fn, *args) -> None:
         if self.db is None:
@@ -145,9 +223,12 @@ class TemplateRegistry:
             st = StoredTemplate(rec.msg, rec.width, rec.height, rec.created)
             await self._commit(self.db.put_template, st)
         self.records[rec.template_id] = rec
-        for slot in self.pool.slots:
-            if slot.accepting:
-                self._build(rec, slot)
+        if retry:  # the failed builds' workers try again, wherever they are
+            for slot in self.pool.slots:
+                if slot.index in old.builds and slot.accepting:
+                    self._build(rec, slot)
+        if not rec.builds:
+            self._place(rec)
         return rec, True
 
     def _build(self, rec: TemplateRecord, slot: WorkerSlot) -> None:
@@ -173,6 +254,8 @@ class TemplateRegistry:
             reply = fut.result()
             build.state, build.build_ms = "ready", reply.build_ms
             build.bytes_by_tier = dict(reply.bytes_by_tier)
+            build.ready_at = time.monotonic()
+            self._fresh.setdefault(slot.index, {})[tid] = build
             slot.templates_ready.add(tid)
             slot.template_tiers[tid] = fastest_tier(build.bytes_by_tier)
         elif exc is None:
@@ -196,6 +279,10 @@ class TemplateRegistry:
 
     def _forget(self, template_id: str) -> TemplateRecord:
         rec = self.records.pop(template_id)
+        for residency, _ in self._reports.values():
+            residency.pop(template_id, None)
+        for fresh in self._fresh.values():
+            fresh.pop(template_id, None)
         for slot in self.pool.slots:
             slot.templates_ready.discard(template_id)
             slot.template_tiers.pop(template_id, None)
@@ -213,9 +300,60 @@ class TemplateRegistry:
             rec.builds.pop(slot.index, None)
 
     def resync(self, slot: WorkerSlot) -> None:
-        """Build every record on a (re)started worker."""
+        """A (re)started worker: build again what it had build records for (its node's
+        DRAM/disk tiers answer at once for caches that survived)."""
+        self._reports.pop(slot.index, None)
+        self._fresh.pop(slot.index, None)
         for rec in self.records.values():
-            self._build(rec, slot)
+            if slot.index in rec.builds:
+                self._build(rec, slot)
+
+    # ---- residency --------------------------------------------------------------------------
+    def refresh(self, slot: WorkerSlot, residency: dict[str, dict[str, int]], asked_at: float):
+        """A Stats answer of `slot` (asked for at monotonic `asked_at`) said where its
+        templates' caches live: refresh `templates_ready` / `template_tiers` of every worker of
+        its node (they share its DRAM and disk tiers)."""
+        old = self._reports.get(slot.index)
+        self._reports[slot.index] = (dict(residency), asked_at)
+        if old is not None and old[0] == residency and not self._fresh.get(slot.index):
+            return  # the same as its last answer: nothing changed on the node
+        for s in self.pool.slots:
+            if s.node == slot.node:
+                self._apply(s)
+
+    def _apply(self, slot: WorkerSlot) -> None:
+        """`slot`'s view from its own last report (every tier), its node's other accepting
+        workers' reports (their DRAM/disk tiers only) and the builds answered ok since its
+        report was asked for; registered templates only."""
+        if not slot.accepting:  # down or restarting: the pool cleared it; resync() rebuilds
+            return
+        # no report of its own yet: every build it answered ok stands
+        own, asked_at = self._reports.get(slot.index, ({}, -math.inf))
+        tiers: dict[str, dict[str, int]] = {}
+
+        def add(residency: dict[str, dict[str, int]], shared_only: bool) -> None:
+            for tid, by_tier in residency.items():
+                if tid not in self.records:
+                    continue
+                for tier, n in by_tier.items():
+                    if n > 0 and not (shared_only and tier not in NODE_TIERS):
+                        tiers.setdefault(tid, {})[tier] = n
+
+        add(own, shared_only=False)
+        for s in self.pool.slots:
+            if s is not slot and s.node == slot.node and s.accepting and s.index in self._reports:
+                add(self._reports[s.index][0], shared_only=True)
+        fresh = self._fresh.get(slot.index, {})
+        for tid, b in list(fresh.items()):
+            rec = self.records.get(tid)
+            if rec is None or rec.builds.get(slot.index) is not b or b.ready_at < asked_at:
+                del fresh[tid]  # forgotten, rebuilt, or its report covers it
+                continue
+            held = tiers.setdefault(tid, {})
+            for tier, n in b.bytes_by_tier.items():
+                held.setdefault(tier, n)
+        slot.templates_ready = set(tiers)
+        slot.template_tiers = {tid: fastest_tier(by_tier) for tid, by_tier in tiers.items()}
 
     @property
     def building(self) -> int:

@@ -171,6 +171,10 @@ class WorkerClient:
     def stats(self, timeout: float | None = 10.0) -> dict[str, float]:
         return self._ask(self._stats, GetStats(), timeout).counters
 
+    def report(self, timeout: float | None = 10.0) -> Stats:
+        """The whole Stats answer: counters and where each template's cache lives (residency)."""
+        return self._ask(self._stats, GetStats(), timeout)
+
     def cost_spec(self, timeout: float | None = 10.0) -> CostSpec | None:
         """The loop's CostSpec (how the router prices this worker's batches); None until the
         loop has reported it."""

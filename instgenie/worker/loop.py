@@ -60,6 +60,10 @@ from instgenie.worker.state_wire import from_parts, inputs_from_parts, to_parts
 
 #: how often, ms, a loop checks on captures another process of the host is running
 AWAIT_POLL_MS = 100
+#: how often, s, a loop re-reads the host cache's counters and where its templates' caches live
+#: (the node's tiers change under it: another worker's capture evicts or demotes); an idle loop
+#: that knows templates wakes this often to do so
+CACHE_REPORT_S = 1.0
 
 
 class Loop:
@@ -76,6 +80,10 @@ class Loop:
         self.reported = 0  # step records sent to the supervisor
         self.cache_read_at = 0.0  # monotonic time the host cache's counters were last read
         self.cache_changed = False  # an entry was added or deleted since
+        #: the store has host tiers shared with other processes (they change under this loop)
+        self.host_tiers = getattr(pipe.store, "tiered", None) is not None
+        #: template id -> {tier: bytes} as last reported (LoopSteps.residency); None: not yet
+        self.residency: dict[str, dict[str, int]] | None = None
         self.stop: StopProcess | None = None
         #: model_stages="loop": VAE decode here (post-processing then needs no model)
         self.decode_here = inline is None and rt.wcfg.model_stages == "loop"
@@ -101,6 +109,7 @@ class Loop:
             retired = self.batcher.iterate()
             self.log_steps()  # first: it records join times that retire() reads
             self.retire(retired)
+            self.report_cache()
             self.rt.publish(self.batcher.in_flight)
 
     # ---- receive --------------------------------------------------------------------------------
@@ -110,7 +119,12 @@ class Loop:
         after the inbox is read again: a request cancelled while the loop encodes another is
         dropped before its own encode (a stage boundary), not after it."""
         block = self.batcher.idle and self.stop is None and not self.inbox
-        msg = self.rt.recv(0 if not block else AWAIT_POLL_MS if self.awaiting else None)
+        wait = None  # ms; None: until a message comes
+        if self.awaiting:
+            wait = AWAIT_POLL_MS
+        elif self.host_tiers and self.template_keys:  # residency may change under it
+            wait = 1e3 * CACHE_REPORT_S
+        msg = self.rt.recv(0 if not block else wait)
         if msg is not None:
             self.inbox.append(msg)
         self.drain()
@@ -393,24 +407,60 @@ class Loop:
             for rec in records:
                 for uid in rec.joined:
                     self.joined_at.setdefault(uid, rec.t_start)
-            self.rt.send(LoopSteps(entries=records, cache=self._cache_counters()))
+            counters, residency = self._cache_report()
+            msg = LoopSteps(entries=records, cache=counters, residency=residency)
+            self.rt.send(msg)
             self.reported = self.batcher.steps
 
-    def _cache_counters(self) -> dict[str, float]:
-        """The prompt cache's counters (`prompt_*`) and the device tier's (this process's,
-        when there is one), and the host cache's at most once a second (reading them takes the
-        host lock) or at once after this loop added or deleted an entry."""
+    def report_cache(self) -> None:
+        """Between steps, when no step carried them: the cache's counters and residency once
+        the residency changed (a capture answered or a template dropped by an idle loop, or,
+        read at most every CACHE_REPORT_S, an eviction by another process of the node)."""
+        if not self._cache_due(time.monotonic()):
+            return
+        counters, residency = self._cache_report()
+        if residency is not None:
+            self.rt.send(LoopSteps(entries=[], cache=counters, residency=residency))
+
+    def _cache_due(self, now: float) -> bool:
+        """Whether the host counters and the residency are to be read again: at once after this
+        loop added or deleted an entry, else at most every CACHE_REPORT_S (reading them takes
+        the host lock) where other processes share the tiers."""
+        return self.cache_changed or (
+            self.host_tiers and now - self.cache_read_at >= CACHE_REPORT_S
+        )
+
+    def _cache_report(self) -> tuple[dict[str, float], dict[str, dict[str, int]] | None]:
+        """(counters, residency): the prompt cache's counters (`prompt_*`) and the device
+        tier's (this process's, when there is one), and, when due (`_cache_due`), the host
+        cache's; the residency of the templates this loop answers for when due and changed
+        since it was last reported, else None."""
         out = self.pipe.family.prompts.stats()
         tier_stats = getattr(self.pipe.store, "tier_stats", None)
         if tier_stats is not None:
             out.update((k, float(v)) for k, v in tier_stats().items())
-        tiered = getattr(self.pipe.store, "tiered", None)
         now = time.monotonic()
-        if tiered is None or (now - self.cache_read_at < 1.0 and not self.cache_changed):
-            return out
+        if not self._cache_due(now):
+            return out, None
         self.cache_read_at, self.cache_changed = now, False
-        out.update((k, float(v)) for k, v in tiered.stats().items() if isinstance(v, (int, float)))
-        return out
+        tiered = getattr(self.pipe.store, "tiered", None)
+        if tiered is not None:
+            stats = tiered.stats().items()
+            out.update((k, float(v)) for k, v in stats if isinstance(v, (int, float)))
+        residency = self._residency()
+        if residency == self.residency:
+            return out, None
+        self.residency = residency
+        return out, residency
+
+    def _residency(self) -> dict[str, dict[str, int]]:
+        """template id -> {tier: bytes} for every template this loop answers for whose cache is
+        resident now (one store query; building, evicted and deleted ones are left out)."""
+        query = getattr(self.pipe.store, "residency", None)
+        if query is None or not self.template_keys:
+            return {}
+        by_key = query(set(self.template_keys.values()))
+        return {t: dict(by_key[k]) for t, k in self.template_keys.items() if k in by_key}
 
 
 def run(rt: ChildRuntime) -> None:

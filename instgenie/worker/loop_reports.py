@@ -1,5 +1,6 @@
 """What the denoise loop reports to its supervisor, kept across the loop's restarts: its step log
-(GetStepLog), the activation bytes its steps loaded, its cache counters and its CostSpec.
+(GetStepLog), the activation bytes its steps loaded, its cache counters, where its templates'
+caches live (Stats.residency) and its CostSpec.
 
 Invariant: step numbers are the worker's, not one loop incarnation's: a restarted loop counts
 from 0 again and its steps are shifted by the steps of every earlier incarnation, so the log's
@@ -22,6 +23,9 @@ class LoopReports:
         self._loop_steps = 0  # steps of the current incarnation
         self.bytes_loaded = 0  # cached activations copied in by denoise steps, bytes
         self.cache_stats: dict[str, float] = {}  # the loop's host-cache counters (LoopSteps)
+        #: template id -> {tier: bytes} resident now, as the loop last reported (LoopSteps);
+        #: emptied when the loop dies (its device store dies with it; the next loop reports)
+        self.residency: dict[str, dict[str, int]] = {}
         #: the loop's CostSpec (ChildReady; the latest loop's, kept across its restarts)
         self.cost_spec: CostSpec | None = None
 
@@ -34,6 +38,8 @@ class LoopReports:
             self.steps.append(dataclasses.replace(e, step=e.step + self._step_offset))
             self.bytes_loaded += e.bytes_loaded
         self.cache_stats.update(msg.cache)
+        if msg.residency is not None:
+            self.residency = msg.residency
         if msg.entries:
             self._loop_steps = msg.entries[-1].step + 1
 
@@ -45,6 +51,13 @@ class LoopReports:
         if cost is not None:
             self.cost_spec = cost
 
+    def template_ready(self, template_id: str, bytes_by_tier: dict[str, int]) -> None:
+        """The loop answered a build ok (TemplateReady): resident where it says until its next
+        report (which follows at once, with every tier holding it)."""
+        if bytes_by_tier:
+            self.residency = {**self.residency, template_id: dict(bytes_by_tier)}
+
     def loop_died(self) -> None:
+        self.residency = {}
         self._step_offset += self._loop_steps
         self._loop_steps = 0

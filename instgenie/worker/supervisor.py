@@ -183,6 +183,12 @@ class Supervisor:
     def stats(self) -> dict[str, float]:
         return worker_stats(self)
 
+    def residency(self) -> dict[str, dict[str, int]]:
+        """Stats.residency: the loop's last report, of the templates still registered here (a
+        drop answered before the loop's next report is not listed)."""
+        known = self.loop_reports.residency
+        return {t: tiers for t, tiers in known.items() if self.templates.get(t) is not None}
+
     # ---- client messages ------------------------------------------------------------------------
     def on_client(self, identity: bytes, msg: Message) -> None:
         self.clients.heard(identity)
@@ -199,7 +205,8 @@ class Supervisor:
             self.drop_template(msg.template_id)
         elif isinstance(msg, GetStats):
             cost = self.loop_reports.cost_spec if msg.cost else None
-            self.clients.answer(identity, Stats(counters=self.stats(), cost=cost))
+            stats = Stats(counters=self.stats(), cost=cost, residency=self.residency())
+            self.clients.answer(identity, stats)
         elif isinstance(msg, GetStepLog):
             self.clients.answer(identity, StepLog(entries=self.loop_reports.since(msg.since_step)))
         elif isinstance(msg, Shutdown):
@@ -277,6 +284,8 @@ class Supervisor:
                 self.clients.reply(flight.identity, dataclasses.replace(msg, uid=flight.client_uid))
         elif isinstance(msg, TemplateReady):
             self.templates.done(msg.template_id, msg.ok, msg.message, msg.bytes_by_tier)
+            if msg.ok:
+                self.loop_reports.template_ready(msg.template_id, msg.bytes_by_tier)
         elif isinstance(msg, LoopSteps):
             self.loop_reports.add(msg)
 

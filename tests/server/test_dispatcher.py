@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from instgenie.config import Config, LimitsConfig
-from instgenie.messages import EditDone, Path
+from instgenie.messages import EditDone, Path, Stats
 from instgenie.scheduler.routing import LeastLoaded, RouteRequest
 from instgenie.server.config import ServerConfig
 from instgenie.server.dispatcher import Dispatcher
@@ -269,7 +269,8 @@ def test_a_queued_request_moves_when_a_worker_turns_healthy() -> None:
         assert {t.slot.index for t in held} == {1}
         queued = d.admit(ROUTE)
         assert queued.waiter is not None and not queued.waiter.done()
-        w0.handle.client.stats = lambda timeout=None: {"ready": 1.0, "in_loop": 0.0}
+        answer = Stats(counters={"ready": 1.0, "in_loop": 0.0})
+        w0.handle.client.report = lambda timeout=None: answer
         monitor = HealthMonitor(d.pool, d.cfg, Metrics(), lambda s, r: None, lambda s: d.pump())
         await monitor._poll(w0)
         assert queued.waiter.done() and queued.waiter.result() is w0
