@@ -1,4 +1,5 @@
-"""Command line: `instgenie edit | bench-step | profile | worker | serve | client | loadtest`."""
+"""Command line: `instgenie edit | bench-step | profile | worker | serve | client | loadtest |
+simulate`."""
 
 from __future__ import annotations
 
@@ -405,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     from instgenie.loadtest.command import add_loadtest_parser  # (light: no torch)
 
     add_loadtest_parser(sub)
+    from instgenie.sim.command import add_simulate_parser  # (light: no torch)
+
+    add_simulate_parser(sub)
     return parser
 
 

@@ -45,19 +45,42 @@ def summarize(result: Result, scenario: Scenario, slo_ms: float) -> dict:
         "rejected": len(measured) - len(ok),
         "throughput_rps": len(ok) / span_s if span_s > 0 else None,
         "latency_ms": {f"p{q}": float(np.percentile(lat, q)) for q in PERCENTILES}
-        if len(lat) else {},
+        if len(lat)
+        else {},
         "mean_ms": float(lat.mean()) if len(lat) else None,
         "slo_ms": slo_ms,
         "slo_attainment": float((lat <= slo_ms).sum()) / len(measured) if measured else None,
         "queue_ms_p95": float(np.percentile([j.dispatched_ms - j.arrival_ms for j in ok], 95))
-        if ok else None,
+        if ok
+        else None,
         "full_path": sum(1 for j in ok if j.tier is None),
         "tiers": dict(collections.Counter(str(j.tier) for j in ok)),
         "captures_triggered": sum(1 for j in measured if j.triggered_capture),
         "captures_total": result.captures,
         "promotions": sum(h.tiers.promotions for h in result.hosts),
         "gpu_busy": sum(w.busy_ms for w in result.workers) / (len(result.workers) * result.end_ms)
-        if result.end_ms > 0 else None,
+        if result.end_ms > 0
+        else None,
         "sim_end_s": result.end_ms / 1e3,
     }
     return out
+
+
+def capacity_rps(scenario: Scenario, workers: int, per_worker: int = 160) -> float:
+    """The ideal fleet's saturation throughput, requests/s: one worker of `scenario`'s cluster
+    with every cache in DRAM, `per_worker` of its arrivals' masks sent at once (a queue that
+    never empties), answers counted between the 10th and 90th percent of them (no fill or
+    drain), times `workers` (the ideal fleet's workers are alike and independent)."""
+    import dataclasses
+
+    from instgenie.sim.scenario import Cluster, simulate
+
+    cl = scenario.cluster
+    arrivals = [dataclasses.replace(a, at_ms=0.0) for a in scenario.arrivals[:per_worker]]
+    one = dataclasses.replace(
+        scenario, arrivals=arrivals, warmup_ms=0.0, initial=None,
+        cluster=Cluster(1, 1, cl.dram_bytes, cl.disk_bytes, cl.max_batch, cl.slots, ideal=True),
+    )  # fmt: skip
+    done = sorted(j.finish_ms for j in simulate(one, "least-loaded").requests)
+    lo, hi = int(0.1 * len(done)), int(0.9 * len(done))
+    return workers * (hi - lo) / ((done[hi] - done[lo]) / 1e3)

@@ -1,12 +1,12 @@
 """What one simulated run is (`Scenario`) and `simulate(scenario, policy)`, its entry point.
 
-    spec = models.profile_spec("profiles/sdxl-inpaint-full-h200.json")
-    cat = Catalogue.zipf(200, 1.0, cache_bytes(spec, 1024 * 1024, 20, 2), seed=0)
-    arrivals = workload.make_arrivals(cat, times_ms, "hist:traces/mask_ratios_mean011.json",
-                                      1024, 1024, strides, rng)
-    result = simulate(Scenario(spec, Cluster(hosts=2, gpus=1, dram_bytes=..., disk_bytes=...),
-                               cat, arrivals), "cache-aware")
-    result.requests  # every Job: arrival, dispatch, finish (ms), worker, tier, capture
+spec = models.profile_spec("profiles/sdxl-inpaint-full-h200.json")
+cat = Catalogue.zipf(200, 1.0, cache_bytes(spec, 1024 * 1024, 20, 2), seed=0)
+arrivals = workload.make_arrivals(cat, times_ms, "hist:traces/mask_ratios_mean011.json",
+                                  1024, 1024, strides, rng)
+result = simulate(Scenario(spec, Cluster(hosts=2, gpus=1, dram_bytes=..., disk_bytes=...),
+                           cat, arrivals), "cache-aware")
+result.requests  # every Job: arrival, dispatch, finish (ms), worker, tier, capture
 """
 
 from __future__ import annotations
