@@ -152,12 +152,12 @@ class CacheAware(MaskAware):
     template's cache in (w.template_tiers: "gpu" read in place, "dram" / "disk" copied every
     step at that tier's load fit), and a miss priced as what it causes there: the edit runs the
     full path and its template's capture run (a full-path request of the edit's size and steps,
-    sent ahead of it) joins w's batches too. A held request whose template is not ready on w
-    runs the full path and has a capture beside it (priced as one more held request with its
-    steps left), once per template: a new edit of that template then runs the full path without
-    starting another. Replication follows from the prices: a holding node's price grows with
-    its queue, and once it exceeds a miss elsewhere (full run + capture), the edit goes there and
-    that node captures the template (decision 0034). Ties as mask-aware."""
+    sent ahead of it, not decoded) joins w's batches too. A held request whose template is not
+    ready on w runs the full path and has a capture beside it (priced as one more held request
+    with its steps left), once per template: a new edit of that template then runs the full
+    path without starting another. Replication follows from the prices: a holding node's price
+    grows with its queue, and once it exceeds a miss elsewhere (full run + capture), the edit
+    goes there and that node captures the template (decision 0034). Ties as mask-aware."""
 
     name = "cache-aware"
 
@@ -173,13 +173,13 @@ class CacheAware(MaskAware):
             if left <= 0:
                 continue  # in post-processing: not in a batch
             if _capturing(q, work, building):
-                line.append([self._capture(est, q), left])
+                line.append([self._capture(est, q), left, False])
                 fresh += [q.pixels] if q.steps_done == 0 else []
             line.append([work, left])
             fresh += [q.pixels] if q.steps_done == 0 else []
         work = self._work(est, request, w)
         if _capturing(request, work, building):
-            line.append([self._capture(est, request), work.steps])
+            line.append([self._capture(est, request), work.steps, False])
             fresh.append(request.pixels)
         new = [work, work.steps]
         return finish_ms(est, line, new, fresh + [request.pixels], w.max_batch)
@@ -204,21 +204,26 @@ def finish_ms(
     est: Estimator, line: list[list], new: list, fresh: list[int], max_batch: int
 ) -> float:
     """MaskAware's simulation: `line` = [work, steps left] of the requests ahead of `new` (its
-    [work, steps]), in arrival order, each with steps left; `fresh`: the pixels of the requests
-    to encode first (`new` included). The time until `new` is decoded, ms."""
+    [work, steps]), in arrival order, each with steps left (a third item False: a capture run,
+    which leaves without a decode); `fresh`: the pixels of the requests to encode first (`new`
+    included). The time until `new` is decoded, ms."""
     line = [*line, new]
     B = max_batch if max_batch > 0 else len(line)
     t = sum(est.stage_ms("encode", px) for px in fresh)
+
+    def decode(r: list) -> float:
+        return est.stage_ms("decode", r[0].pixels) if len(r) < 3 or r[2] else 0.0
+
     while True:
         running = line[:B]
         k = min(r[1] for r in running)  # steps until the next one leaves
         t += k * est.step_ms([r[0] for r in running])
         if any(r is new for r in running) and new[1] <= k:  # decoded with those leaving too
-            return t + sum(est.stage_ms("decode", r[0].pixels) for r in running if r[1] <= k)
+            return t + sum(decode(r) for r in running if r[1] <= k)
         for r in running:
             r[1] -= k
             if r[1] <= 0:
-                t += est.stage_ms("decode", r[0].pixels)
+                t += decode(r)
         line = [r for r in line if r[1] > 0]
 
 

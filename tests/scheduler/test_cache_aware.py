@@ -76,9 +76,11 @@ def test_a_capture_in_flight_is_priced_once_per_template() -> None:
     same, other = ca.cost_ms(_req("t"), w), ca.cost_ms(_req("u"), w)
     assert other > same
     # priced as if the capture of "t" were one more held full-path request with its steps left
+    # (less its decode: a capture is not decoded)
     cap = dataclasses.replace(_req("t", steps_done=3), template_id=None)
     w_cap = _worker(0, {}, (cap, _req("t", steps_done=3)))
-    assert same == pytest.approx(MaskAware().cost_ms(_req("t"), w_cap))
+    decode = Estimator(SDXL).stage_ms("decode", PX)
+    assert same == pytest.approx(MaskAware().cost_ms(_req("t"), w_cap) - decode)
 
 
 def test_routes_to_the_holding_node_until_its_queue_outgrows_a_miss() -> None:
