@@ -177,12 +177,17 @@ class CacheAware(MaskAware):
                 fresh += [q.pixels] if q.steps_done == 0 else []
             line.append([work, left])
             fresh += [q.pixels] if q.steps_done == 0 else []
+        held = len(line)
+        without = finishes(est, [list(r) for r in line], fresh, w.max_batch)
         work = self._work(est, request, w)
         if _capturing(request, work, building):
             line.append([self._capture(est, request), work.steps, False])
-            fresh.append(request.pixels)
-        new = [work, work.steps]
-        return finish_ms(est, line, new, fresh + [request.pixels], w.max_batch)
+            fresh = fresh + [request.pixels]
+        line.append([work, work.steps])
+        done = finishes(est, line, fresh + [request.pixels], w.max_batch)
+        # the latency it adds: its own, and the delay it causes the edits held there
+        added = sum(done[i] - without[i] for i in range(held) if len(line[i]) < 3)
+        return done[-1] + added
 
     @staticmethod
     def _capture(est: Estimator, r: RouteRequest) -> Work:
@@ -225,6 +230,30 @@ def finish_ms(
             if r[1] <= 0:
                 t += decode(r)
         line = [r for r in line if r[1] > 0]
+
+
+def finishes(est: Estimator, line: list[list], fresh: list[int], max_batch: int) -> list[float]:
+    """finish_ms's simulation run until every request of `line` has left: each one's time until
+    it is decoded (a capture's: until it leaves), ms, in `line`'s order. Mutates `line`."""
+    out = [0.0] * len(line)
+    todo = list(range(len(line)))
+    B = max_batch if max_batch > 0 else max(1, len(line))
+    t = sum(est.stage_ms("encode", px) for px in fresh)
+    while todo:
+        running = todo[:B]
+        k = min(line[i][1] for i in running)
+        t += k * est.step_ms([line[i][0] for i in running])
+        leaving = []
+        for i in running:
+            line[i][1] -= k
+            if line[i][1] <= 0:
+                leaving.append(i)
+        t += sum(est.stage_ms("decode", line[i][0].pixels) for i in leaving
+                 if len(line[i]) < 3 or line[i][2])  # fmt: skip
+        for i in leaving:
+            out[i] = t  # one batched decode: all leave once it is done
+        todo = [i for i in todo if line[i][1] > 0]
+    return out
 
 
 def make_policy(name: str) -> RoutingPolicy:
