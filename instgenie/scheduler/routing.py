@@ -155,9 +155,12 @@ class CacheAware(MaskAware):
     sent ahead of it, not decoded) joins w's batches too. A held request whose template is not
     ready on w runs the full path and has a capture beside it (priced as one more held request
     with its steps left), once per template: a new edit of that template then runs the full
-    path without starting another. Replication follows from the prices: a holding node's price
-    grows with its queue, and once it exceeds a miss elsewhere (full run + capture), the edit
-    goes there and that node captures the template (decision 0034). Ties as mask-aware."""
+    path without starting another. The price is the latency the edit adds on w: its own time
+    until decoded plus the delay it causes the edits w holds (their finish times simulated with
+    and without it: a request joining a full batch, or a disk read or a capture slowing its
+    steps, costs them too). Replication follows from the prices: a holding node's price grows
+    with its queue, and once it exceeds a miss elsewhere (full run + capture), the edit goes
+    there and that node captures the template (decision 0034). Ties as mask-aware."""
 
     name = "cache-aware"
 

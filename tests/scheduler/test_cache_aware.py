@@ -12,7 +12,7 @@ import pytest
 from instgenie.scheduler.estimate import Estimator
 from instgenie.scheduler.fits import fit_ms
 from instgenie.scheduler.pricing import cached_bytes
-from instgenie.scheduler.routing import CacheAware, MaskAware, make_policy
+from instgenie.scheduler.routing import CacheAware, LeastLoaded, MaskAware, finishes, make_policy
 from instgenie.scheduler.views import RouteRequest, WorkerView
 from instgenie.server.config import ServerConfig, check_server_config
 from instgenie.sim.models import profile_spec
@@ -75,12 +75,14 @@ def test_a_capture_in_flight_is_priced_once_per_template() -> None:
     w = _worker(0, {}, held)
     same, other = ca.cost_ms(_req("t"), w), ca.cost_ms(_req("u"), w)
     assert other > same
-    # priced as if the capture of "t" were one more held full-path request with its steps left
-    # (less its decode: a capture is not decoded)
-    cap = dataclasses.replace(_req("t", steps_done=3), template_id=None)
-    w_cap = _worker(0, {}, (cap, _req("t", steps_done=3)))
-    decode = Estimator(SDXL).stage_ms("decode", PX)
-    assert same == pytest.approx(MaskAware().cost_ms(_req("t"), w_cap) - decode)
+    # the line priced: one capture of "t" (17 steps left, not decoded), the held edit, the new
+    # edit (full path); the price is the new edit's finish plus the delay it adds to the held one
+    est = Estimator(SDXL)
+    full = est.work(PX, 20, None, None, None)
+    line = lambda: [[full, 17, False], [full, 17]]  # noqa: E731
+    without = finishes(est, line(), [], 8)
+    done = finishes(est, [*line(), [full, 20]], [PX], 8)
+    assert same == pytest.approx(done[2] + done[1] - without[1])
 
 
 def test_routes_to_the_holding_node_until_its_queue_outgrows_a_miss() -> None:
@@ -90,9 +92,10 @@ def test_routes_to_the_holding_node_until_its_queue_outgrows_a_miss() -> None:
     ca = CacheAware()
     cold = _worker(1, {})
     busy = lambda n: _worker(0, {"t": "dram"}, tuple(_req("t") for _ in range(n)))  # noqa: E731
-    assert ca.choose(_req("t"), [busy(2), cold]) == 0
-    assert ca.choose(_req("t"), [busy(15), cold]) == 1
-    assert ca.cost_ms(_req("t"), busy(15)) > ca.cost_ms(_req("t"), cold)
+    assert ca.choose(_req("t"), [busy(1), cold]) == 0
+    assert ca.choose(_req("t"), [busy(4), cold]) == 1
+    assert ca.cost_ms(_req("t"), busy(4)) > ca.cost_ms(_req("t"), cold)
+    assert LeastLoaded().choose(_req("t"), [busy(1), cold]) == 1
 
 
 def test_the_policy_is_known_by_name_and_to_the_server_config() -> None:
