@@ -49,7 +49,6 @@ class Scenario:
     #: order); None: each template registered in catalogue order, captured on the node
     #: placement.place picks (the server's registration)
     initial: dict[str, Sequence[int]] | None = None
-    seed: int = 0  # reserved for random choices inside the run (none today)
     extra: dict = field(default_factory=dict)  # carried into the report
 
 
