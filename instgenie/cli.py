@@ -1,5 +1,5 @@
 """Command line: `instgenie edit | bench-step | profile | worker | keys | serve | client |
-loadtest`."""
+loadtest | simulate`."""
 
 from __future__ import annotations
 
@@ -466,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     from instgenie.loadtest.command import add_loadtest_parser  # (light: no torch)
 
     add_loadtest_parser(sub)
+    from instgenie.sim.command import add_simulate_parser  # (light: no torch)
+
+    add_simulate_parser(sub)
     return parser
 
 

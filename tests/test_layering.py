@@ -1,7 +1,7 @@
 """Package layering, read from the source (ast): cache/ is storage and imports neither engine/
 nor scheduler/; scheduler/ decides and imports neither cache/, engine/, worker/, server/ nor
 torch (tests/scheduler/test_torch_free.py runs it with torch blocked); engine/ never imports
-worker/ or server/."""
+worker/ or server/; sim/ runs the scheduler's code without torch, a model or a process."""
 
 from __future__ import annotations
 
@@ -27,6 +27,15 @@ FORBIDDEN = {
         "transformers",
     ),  # fmt: skip
     "engine": ("instgenie.worker", "instgenie.server"),
+    # the simulator runs the scheduler's code, never a model or a process
+    "sim": (
+        "instgenie.cache",
+        "instgenie.engine",
+        "instgenie.worker",
+        "instgenie.server",
+        "torch",
+        "diffusers",
+    ),  # fmt: skip
 }
 
 

@@ -5,7 +5,8 @@ dimensions and token stride and, when the worker runs with a fitted profile, the
 models its per-step load planner uses. From them `Estimator.step_ms` predicts one denoising step
 of a batch of requests with the worker's own pricing (pricing.step_costs, the one function its
 planner calls too): per block, the batch's masked compute ("cached" fit at the batch's FLOPs),
-its full compute ("full" fit) and the loads of cached rows not resident on the GPU, and the load
+its full compute ("full" fit) and the loads of cached rows not resident on the GPU (at the load
+fit of the tier they are read from: "disk" where the profile has it, else "dram"), and the load
 planner's optimal plan (planner.plan_step, the paper's Algorithm 1) over them; plus the rest of
 the step (ResNets, norms, the scheduler: the profile's "other" fit at the batch's rows * pixels),
 which a masked request pays in full. `stage_ms` prices the loop's work per request outside its
@@ -52,17 +53,18 @@ class Work:
     #: None: the full path (no ready cache on that worker: every token)
     ratios: tuple[tuple[int, float], ...] | None
     loads: bool = False  # its cached rows are copied host -> GPU every step
+    load_tier: str = "dram"  # the host tier they are copied from ("dram" | "disk")
 
     def request_work(self) -> RequestWork:
         """What pricing needs: the masked tokens of each grid, round(ratio * tokens) clamped to
         the grid's max(1, pixels // stride²) tokens."""
         if self.ratios is None:
-            return RequestWork(self.rows, None, self.loads)
+            return RequestWork(self.rows, None, self.loads, self.load_tier)
         tokens = []
         for s, r in self.ratios:
             L = max(1, self.pixels // (s * s))
             tokens.append((s, min(L, max(0, round(r * L)))))
-        return RequestWork(self.rows, tuple(tokens), self.loads)
+        return RequestWork(self.rows, tuple(tokens), self.loads, self.load_tier)
 
 
 class Estimator:
@@ -99,7 +101,8 @@ class Estimator:
         n = steps or spec.default_steps
         if strength is not None and strength < 1.0:
             n = int(n * strength)
-        return Work(pixels, rows, max(1, n), cover, loads)
+        load_tier = "disk" if loads and tier == "disk" else "dram"
+        return Work(pixels, rows, max(1, n), cover, loads, load_tier)
 
     # ---- one step of a batch -----------------------------------------------------------------
     def step_ms(self, batch: Iterable[Work]) -> float:

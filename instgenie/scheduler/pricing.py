@@ -4,10 +4,12 @@
 `step_costs(spec, pixels, works)` gives, for a batch of one working size and every hooked block
 (execution order, spec.blocks), the latency of computing the batch's masked tokens (the "cached"
 fit of the block's class at the batch's FLOPs), of computing every token ("full" fit), and of
-loading the rows of the requests whose cache is copied host -> device for every step (the
-"dram" load fit at their bytes, one copy per request). The planner (planner.plan_step, the
-paper's Algorithm 1) turns them into the blocks that compute all tokens. Without fitted compute
-(no profile) prices are nominal FLOPs (`NOMINAL_FLOPS_PER_MS`; relative prices only).
+loading the rows of the requests whose cache is copied host -> device for every step (the load
+fit of the tier they are read from at their bytes, one copy per request: "dram", or "disk" for a
+cache streamed from the disk tier where the profile fitted it, else "dram"). The planner
+(planner.plan_step, the paper's Algorithm 1) turns them into the blocks that compute all
+tokens. Without fitted compute (no profile) prices are nominal FLOPs (`NOMINAL_FLOPS_PER_MS`;
+relative prices only).
 
 FLOPs (paper Table 1, keys/values over all tokens): 2 FLOPs per multiply-add, matmuls and
 attention only (what torch.utils.flop_counter counts), so predictions and counted FLOPs agree.
@@ -77,8 +79,12 @@ class RequestWork:
     #: spec's blocks, sorted; None: the full path (no cache read: every token)
     tokens: tuple[tuple[int, int], ...] | None = None
     #: its cached rows are copied host -> device for every step (one copy per request, priced
-    #: with the "dram" load fit); False for a cache on the device or read through a step window
+    #: with the load fit of `load_tier`); False for a cache on the device or read through a step
+    #: window
     loads: bool = False
+    #: the host tier its copies are read from: "dram", or "disk" (priced with the profile's
+    #: "disk" load fit where it has one, else the "dram" fit)
+    load_tier: str = "dram"
 
 
 @dataclass(frozen=True)
@@ -122,15 +128,16 @@ def step_costs(spec: CostSpec, pixels: int, works: Sequence[RequestWork]) -> Blo
     reads = any(tk is not None for tk in toks)
     rows = sum(w.rows for w in works)
     dram = spec.load.get("dram")
+    fits = [spec.load.get(w.load_tier, dram) if w.loads else None for w in works]
     per_kind = []
     for d, stride in lay.kinds:
         L = max(1, pixels // (stride * stride))
         counts: Counter[int] = Counter()  # masked tokens per row -> rows
         load = 0.0
-        for w, tk in zip(works, toks, strict=True):
+        for w, tk, fit in zip(works, toks, fits, strict=True):
             counts[L if tk is None else tk[stride]] += w.rows
-            if w.loads:  # one copy per request, each priced by the fit
-                load += fit_ms(dram, cached_bytes(L, d.channels, w.rows, spec.cache_dtype))
+            if w.loads:  # one copy per request, each priced by its tier's fit
+                load += fit_ms(fit, cached_bytes(L, d.channels, w.rows, spec.cache_dtype))
         # = batch_flops(d, L, rows' masked tokens, t): a sum of per-row terms
         full = _compute_ms(spec, d, "full", 2 * rows * row_macs(d, L, L, t))
         cached = full

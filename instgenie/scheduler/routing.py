@@ -4,7 +4,9 @@ A policy is a pure function of the request's routing facts and a snapshot of eve
 (no I/O, no clocks), so it is unit-testable. The dispatcher calls `choose` only with workers that
 are up and accepting; a policy returns None to say "none of these has room": the request then
 waits in the server queue. Policies: `least-loaded` (the default: slot occupancy), `mask-aware`
-(paper §4.4, Algorithm 2, priced by estimate.py; decision 0019) and `round-robin`. What they
+(paper §4.4, Algorithm 2, priced by estimate.py; decision 0019), `cache-aware` (mask-aware priced
+with the tier each worker's node holds the template's cache in, a miss as the full run plus its
+capture; decision 0034) and `round-robin`. What they
 read: views.RouteRequest (the request) and views.WorkerView (each worker).
 """
 
@@ -18,7 +20,7 @@ from instgenie.scheduler.estimate import Estimator, Work
 from instgenie.scheduler.spec import CostSpec
 from instgenie.scheduler.views import RouteRequest, WorkerView
 
-__all__ = ["LeastLoaded", "MaskAware", "RoundRobin", "RouteRequest", "RoutingPolicy",
+__all__ = ["CacheAware", "LeastLoaded", "MaskAware", "RoundRobin", "RouteRequest", "RoutingPolicy",
            "WorkerView", "make_policy"]  # fmt: skip
 
 
@@ -127,23 +129,11 @@ class MaskAware:
         assert w.cost is not None
         est = self.estimator(w.cost)
         # [work, steps left]; requests with no step left are in post-processing: not in a batch
-        held = [(work := self._work(est, q, w), work.steps - q.steps_done) for q in w.requests]
-        new = [(work := self._work(est, request, w)), work.steps]
-        line = [[h, left] for h, left in held if left > 0] + [new]
-        B = w.max_batch if w.max_batch > 0 else len(line)
+        held = [[work := self._work(est, q, w), work.steps - q.steps_done] for q in w.requests]
+        new = [self._work(est, request, w), 0]
+        new[1] = new[0].steps
         fresh = [q.pixels for q in w.requests if q.steps_done == 0] + [request.pixels]
-        t = sum(est.stage_ms("encode", px) for px in fresh)
-        while True:
-            running = line[:B]
-            k = min(r[1] for r in running)  # steps until the next one leaves
-            t += k * est.step_ms([r[0] for r in running])
-            if any(r is new for r in running) and new[1] <= k:  # decoded with those leaving too
-                return t + sum(est.stage_ms("decode", r[0].pixels) for r in running if r[1] <= k)
-            for r in running:
-                r[1] -= k
-                if r[1] <= 0:
-                    t += est.stage_ms("decode", r[0].pixels)
-            line = [r for r in line if r[1] > 0]
+        return finish_ms(est, [h for h in held if h[1] > 0], new, fresh, w.max_batch)
 
     @staticmethod
     def _work(est: Estimator, r: RouteRequest, w: WorkerView) -> Work:
@@ -156,8 +146,121 @@ class MaskAware:
         return est.work(r.pixels, r.num_steps, r.guidance, ratios, tier, r.strength)
 
 
+class CacheAware(MaskAware):
+    """Mask-aware routing priced with where each template's cache lives (issue 26): the same
+    simulation of w's batches, each request on w priced with the tier w's node holds its
+    template's cache in (w.template_tiers: "gpu" read in place, "dram" / "disk" copied every
+    step at that tier's load fit), and a miss priced as what it causes there: the edit runs the
+    full path and its template's capture run (a full-path request of the edit's size and steps,
+    sent ahead of it, not decoded) joins w's batches too. A held request whose template is not
+    ready on w runs the full path and has a capture beside it (priced as one more held request
+    with its steps left), once per template: a new edit of that template then runs the full
+    path without starting another. The price is the latency the edit adds on w: its own time
+    until decoded plus the delay it causes the edits w holds (their finish times simulated with
+    and without it: a request joining a full batch, or a disk read or a capture slowing its
+    steps, costs them too). Replication follows from the prices: a holding node's price grows
+    with its queue, and once it exceeds a miss elsewhere (full run + capture), the edit goes
+    there and that node captures the template (decision 0034). Ties as mask-aware."""
+
+    name = "cache-aware"
+
+    def cost_ms(self, request: RouteRequest, w: WorkerView) -> float:
+        assert w.cost is not None
+        est = self.estimator(w.cost)
+        line: list[list] = []  # [work, steps left], in arrival order
+        fresh: list[int] = []  # pixels of the requests the loop still has to encode
+        building: set[str] = set()  # templates captured on w meanwhile
+        for q in w.requests:
+            work = self._work(est, q, w)
+            left = work.steps - q.steps_done
+            if left <= 0:
+                continue  # in post-processing: not in a batch
+            if _capturing(q, work, building):
+                line.append([self._capture(est, q), left, False])
+                fresh += [q.pixels] if q.steps_done == 0 else []
+            line.append([work, left])
+            fresh += [q.pixels] if q.steps_done == 0 else []
+        held = len(line)
+        without = finishes(est, [list(r) for r in line], fresh, w.max_batch)
+        work = self._work(est, request, w)
+        if _capturing(request, work, building):
+            line.append([self._capture(est, request), work.steps, False])
+            fresh = fresh + [request.pixels]
+        line.append([work, work.steps])
+        done = finishes(est, line, fresh + [request.pixels], w.max_batch)
+        # the latency it adds: its own, and the delay it causes the edits held there
+        added = sum(done[i] - without[i] for i in range(held) if len(line[i]) < 3)
+        return done[-1] + added
+
+    @staticmethod
+    def _capture(est: Estimator, r: RouteRequest) -> Work:
+        """The capture run of r's template: a full-path request of r's size and steps."""
+        return est.work(r.pixels, r.num_steps, r.guidance, None, None, r.strength)
+
+
+def _capturing(r: RouteRequest, work: Work, building: set[str]) -> bool:
+    """True (and `building` notes it) if `r` edits a template whose cache is not ready where it
+    runs (priced on the full path) and no capture of it is noted yet."""
+    t = r.template_id
+    if t is None or work.ratios is not None or t in building:
+        return False
+    building.add(t)
+    return True
+
+
+def finish_ms(
+    est: Estimator, line: list[list], new: list, fresh: list[int], max_batch: int
+) -> float:
+    """MaskAware's simulation: `line` = [work, steps left] of the requests ahead of `new` (its
+    [work, steps]), in arrival order, each with steps left (a third item False: a capture run,
+    which leaves without a decode); `fresh`: the pixels of the requests to encode first (`new`
+    included). The time until `new` is decoded, ms."""
+    line = [*line, new]
+    B = max_batch if max_batch > 0 else len(line)
+    t = sum(est.stage_ms("encode", px) for px in fresh)
+
+    def decode(r: list) -> float:
+        return est.stage_ms("decode", r[0].pixels) if len(r) < 3 or r[2] else 0.0
+
+    while True:
+        running = line[:B]
+        k = min(r[1] for r in running)  # steps until the next one leaves
+        t += k * est.step_ms([r[0] for r in running])
+        if any(r is new for r in running) and new[1] <= k:  # decoded with those leaving too
+            return t + sum(decode(r) for r in running if r[1] <= k)
+        for r in running:
+            r[1] -= k
+            if r[1] <= 0:
+                t += decode(r)
+        line = [r for r in line if r[1] > 0]
+
+
+def finishes(est: Estimator, line: list[list], fresh: list[int], max_batch: int) -> list[float]:
+    """finish_ms's simulation run until every request of `line` has left: each one's time until
+    it is decoded (a capture's: until it leaves), ms, in `line`'s order. Mutates `line`."""
+    out = [0.0] * len(line)
+    todo = list(range(len(line)))
+    B = max_batch if max_batch > 0 else max(1, len(line))
+    t = sum(est.stage_ms("encode", px) for px in fresh)
+    while todo:
+        running = todo[:B]
+        k = min(line[i][1] for i in running)
+        t += k * est.step_ms([line[i][0] for i in running])
+        leaving = []
+        for i in running:
+            line[i][1] -= k
+            if line[i][1] <= 0:
+                leaving.append(i)
+        t += sum(est.stage_ms("decode", line[i][0].pixels) for i in leaving
+                 if len(line[i]) < 3 or line[i][2])  # fmt: skip
+        for i in leaving:
+            out[i] = t  # one batched decode: all leave once it is done
+        todo = [i for i in todo if line[i][1] > 0]
+    return out
+
+
 def make_policy(name: str) -> RoutingPolicy:
-    policies = {p.name: p for p in (LeastLoaded, MaskAware, RoundRobin)}
+    policies = {p.name: p for p in (LeastLoaded, MaskAware, CacheAware, RoundRobin)}
     if name not in policies:
         raise ValueError(f"routing: unknown policy {name!r}; known: {', '.join(policies)}")
     return policies[name]()

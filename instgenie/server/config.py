@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROUTING_POLICIES = ("least-loaded", "mask-aware", "round-robin")
+ROUTING_POLICIES = ("least-loaded", "mask-aware", "cache-aware", "round-robin")
 #: how many workers each node of a cluster runs (--workers): one per GPU, or a count
 WORKERS_AUTO = "auto"
 
@@ -34,7 +34,9 @@ class ServerConfig:
     worker_slots: int = 0
     #: routing policy across workers (scheduler/routing.py): "least-loaded" | "mask-aware"
     #: (predicted latency from each worker's latency models and the request's mask; measured no
-    #: better on an H200 pair, docs/benchmarks/routing-h200.md) | "round-robin"
+    #: better on an H200 pair, docs/benchmarks/routing-h200.md) | "cache-aware" (mask-aware priced
+    #: with the tier each worker's node holds the template's cache in; a miss costs the full run
+    #: plus its capture; for several hosts, docs/benchmarks/cluster-sim.md) | "round-robin"
     routing: str = "least-loaded"
     #: most an edit or template capture may cost, in native edits (one edit at the model's
     #: native area with its default steps = 1; priced from the worker's profile, else FLOPs;

@@ -1,0 +1,188 @@
+"""One simulated GPU worker: the denoise loop of worker/loop.py and worker/batcher.py, timed by the
+scheduler's own prices (Estimator, the worker's CostSpec).
+
+    while running:
+        receive()    # block only when holding nothing; each message: its encode (stage fit),
+                     # then admit (an edit picks its path against its host's tiers)
+        iterate()    # admit FIFO while the head has the batch's size, up to max_batch;
+                     # one step of the running batch: Estimator.step_ms
+        retire()     # finished edits: one VAE decode each (stage fit), then answered;
+                     # a finished capture: committed to the host's DRAM tier
+
+`loop()` is a generator that yields how long, ms, each piece of work takes (None: block until a
+message arrives); the engine resumes it that much later. Not modelled: CPU pre/post-processing
+(their own processes), stats and progress delays, the per-worker GPU tier (device_tier.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+from instgenie.scheduler.estimate import Estimator, Work
+from instgenie.scheduler.views import RouteRequest, WorkerView
+from instgenie.sim.tiers import HostTiers
+
+
+@dataclass(eq=False)
+class Job:
+    """An edit (route set) or a template's capture run (route None) in a worker."""
+
+    uid: int
+    template: str | None
+    route: RouteRequest | None
+    pixels: int
+    steps: int
+    arrival_ms: float = 0.0
+    dispatched_ms: float = -1.0
+    finish_ms: float = -1.0
+    worker: int = -1
+    work: Work | None = None  # its path and tier, set when the loop admits it
+    tier: str | None = None  # the tier it read its template's cache from (None: full path)
+    steps_done: int = 0
+    triggered_capture: bool = False  # its dispatch sent its template's capture ahead of it
+    _view: RouteRequest | None = None
+
+    @property
+    def capture(self) -> bool:
+        return self.route is None
+
+    def held_route(self) -> RouteRequest:
+        """What the router sees of it: its RouteRequest with the steps it has done."""
+        assert self.route is not None
+        if self._view is None or self._view.steps_done != self.steps_done:
+            self._view = dataclasses.replace(self.route, steps_done=self.steps_done)
+        return self._view
+
+
+@dataclass
+class Host:
+    """A node: its workers share its DRAM and disk tiers and its captures."""
+
+    name: str
+    tiers: HostTiers
+    nbytes: int  # cache bytes of one template
+    #: template -> the worker whose capture run of it was sent and has not committed
+    building: dict[str, int] = field(default_factory=dict)
+    version: int = 0  # bumped when its tiers change (views are rebuilt)
+    _snapshot: tuple[int, frozenset, dict] | None = None
+
+    def residency(self) -> tuple[frozenset[str], dict[str, str]]:
+        """(templates ready, template -> tier) for its workers' views."""
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            t = self.tiers
+            tiers = {k: "disk" for k in t.disk.entries}
+            tiers.update((k, "dram") for k in t.dram.entries)
+            self._snapshot = (self.version, frozenset(tiers), tiers)
+        return self._snapshot[1], self._snapshot[2]
+
+
+class SimWorker:
+    def __init__(self, index: int, host: Host, est: Estimator, max_batch: int, slots: int,
+                 guidance: float | None) -> None:  # fmt: skip
+        self.index = index
+        self.host = host
+        self.est = est
+        self.max_batch = max_batch
+        self.slots = slots
+        self.guidance = guidance
+        self.inbox: deque[Job] = deque()  # sent, not yet handled by the loop
+        self.waiting: deque[Job] = deque()  # encoded, not yet in the batch
+        self.running: list[Job] = []
+        self.held: dict[int, Job] = {}  # edits sent and not answered, oldest first
+        self.blocked = False  # the loop waits for a message
+        self.steps = 0  # denoising steps run, count
+        self.busy_ms = 0.0  # time spent encoding, stepping, decoding, ms
+        self.finished: list[Job] = []  # edits answered since the engine last looked
+        self.ideal_ready: frozenset[str] | None = None  # ideal fleet: every template, DRAM
+
+    def view(self, ideal_tiers: dict[str, str] | None = None) -> WorkerView:
+        """What the server's WorkerSlot.view would give the router (server/pool.py)."""
+        if self.ideal_ready is not None:
+            ready, tiers = self.ideal_ready, ideal_tiers or {}
+        else:
+            ready, tiers = self.host.residency()
+        return WorkerView(
+            index=self.index,
+            device=f"{self.host.name}/gpu{self.index}",
+            in_flight=len(self.held),
+            slots=self.slots,
+            batch_size=len(self.running),
+            templates_ready=ready,
+            template_tiers=tiers,
+            requests=tuple(j.held_route() for j in self.held.values()),
+            max_batch=self.max_batch,
+            cost=self.est.spec,
+            host=self.host.name,
+        )
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def loop(self) -> Generator[float | None, None, None]:
+        est = self.est
+        while True:
+            if not self.running and not self.waiting and not self.inbox:
+                yield None  # blocks until a message arrives
+            while self.inbox:  # receive(): each message encoded, then admitted
+                job = self.inbox.popleft()
+                yield self._spent(est.stage_ms("encode", job.pixels))
+                self._admit(job)
+            self._join()
+            if not self.running:
+                continue
+            yield self._spent(est.step_ms([j.work for j in self.running]))  # type: ignore[misc]
+            self.steps += 1
+            for j in self.running:
+                j.steps_done += 1
+            done = [j for j in self.running if j.steps_done >= j.work.steps]  # type: ignore[union-attr]
+            self.running = [j for j in self.running if j.steps_done < j.work.steps]  # type: ignore[union-attr]
+            edits = [j for j in done if not j.capture]
+            for j in done:
+                if j.capture:
+                    self._committed(j)
+            if edits:  # one batched decode (priced per request, as the router does)
+                yield self._spent(sum(est.stage_ms("decode", j.pixels) for j in edits))
+                self.finished += edits
+
+    def _spent(self, ms: float) -> float:
+        self.busy_ms += ms
+        return ms
+
+    def _admit(self, job: Job) -> None:
+        """The loop's admit: a capture runs unless its host holds the cache; an edit reads its
+        template's cache where its host holds it (masked path), else runs the full path."""
+        host, t = self.host, job.template
+        if job.capture:
+            assert t is not None
+            if host.tiers.tier(t) is not None:  # committed meanwhile: answered at once
+                return
+            job.work = self.est.work(job.pixels, job.steps, self.guidance, None, None)
+        else:
+            assert job.route is not None
+            job.tier = host.tiers.read(t, host.nbytes) if t is not None else None
+            if job.tier == "disk":  # promoted to DRAM: the host's residency changed
+                host.version += 1
+            r = job.route
+            ratios = dict(r.token_ratios) if job.tier is not None else None
+            job.work = self.est.work(job.pixels, job.steps, r.guidance, ratios, job.tier)
+        self.waiting.append(job)
+
+    def _join(self) -> None:
+        """scheduler/batching.py's continuous policy: the head of the queue while it has the
+        running batch's size (FIFO across sizes), up to max_batch."""
+        key = self.running[0].pixels if self.running else None
+        while self.waiting and len(self.running) < self.max_batch:
+            head = self.waiting[0]
+            if key is not None and head.pixels != key:
+                break
+            key = head.pixels
+            self.running.append(self.waiting.popleft())
+
+    def _committed(self, job: Job) -> None:
+        host = self.host
+        assert job.template is not None
+        host.building.pop(job.template, None)
+        host.tiers.commit(job.template, host.nbytes)
+        host.tiers.captures += 1
+        host.version += 1
