@@ -2,6 +2,7 @@
 # Set up a virtual environment for InstGenIE: torch, the locked dependencies, the project (editable).
 #   bash scripts/setup.sh                  # .venv: runtime dependencies, requirements/lock.txt
 #   bash scripts/setup.sh --dev            # plus test tools: requirements/lock-dev.txt
+#   bash scripts/setup.sh --cluster        # plus Ray (`serve --cluster`), at lock-dev's pins
 #   bash scripts/setup.sh --dev --latest   # .venv-latest: the newest versions pyproject.toml
 #                                          # allows instead of the lock (CI drift check)
 # torch is installed first and is not in the lock (CPU and CUDA builds differ): on a machine
@@ -16,11 +17,13 @@ cd "$(dirname "$0")/.."
 
 dev=0
 latest=0
+cluster=0
 for arg in "$@"; do
   case "$arg" in
     --dev) dev=1 ;;
     --latest) latest=1 ;;
-    *) echo "usage: bash scripts/setup.sh [--dev] [--latest]" >&2; exit 2 ;;
+    --cluster) cluster=1 ;;
+    *) echo "usage: bash scripts/setup.sh [--dev] [--cluster] [--latest]" >&2; exit 2 ;;
   esac
 done
 venv=.venv
@@ -61,6 +64,9 @@ else
   ((dev)) && lock=requirements/lock-dev.txt
   "${pip[@]}" --no-deps -r "$lock"
   "${pip[@]}" --no-deps -e .
+  if ((cluster && !dev)); then  # the cluster extra at the dev lock's versions (it pins Ray's)
+    "${pip[@]}" -c requirements/lock-dev.txt -e ".[cluster]"
+  fi
   $py -m pip check >/dev/null || { $py -m pip check; exit 1; }
 fi
 echo "setup done ($venv): $($py -c 'import torch, diffusers, transformers; print("torch", torch.__version__, "diffusers", diffusers.__version__, "transformers", transformers.__version__)')"

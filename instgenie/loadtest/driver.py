@@ -88,7 +88,17 @@ def request_json(
 
 
 #: fields of an ok edit answer kept per request (the image itself is dropped)
-ANSWER_FIELDS = ("mask_ratio", "path", "cache", "cache_tier", "worker", "num_steps", "timings")
+ANSWER_FIELDS = (
+    "mask_ratio",
+    "path",
+    "cache",
+    "cache_tier",
+    "worker",
+    "node",
+    "retried",
+    "num_steps",
+    "timings",
+)
 
 
 def _send(base: str, body: dict, out: Outcome, t0: float, timeout_s: float) -> None:

@@ -1,10 +1,11 @@
 """Where a newly registered template's cache is built (cluster mode; one node on a single host).
 
-A template is captured on ONE node at registration: every accepting worker of that node is sent its
-RegisterTemplate (they share the node's DRAM and disk tiers, so one capture runs). Other nodes get it
-when the router sends them an edit of it (a miss: the edit runs the full path beside the capture);
-replication of popular templates therefore follows demand through the cache-aware router's prices,
-and cold copies leave through each node's own LRU. Pure Python: the server and the simulator call it.
+A template is captured on ONE node at registration: every accepting worker of that node is sent
+its RegisterTemplate (they share the node's DRAM and disk tiers, so one capture runs). Other
+nodes get it when the router sends them an edit of it (a miss: the edit runs the full path beside
+the capture); replication of popular templates therefore follows demand through the cache-aware
+router's prices, and cold copies leave through each node's own LRU. Pure Python: the server and
+the simulator call it.
 """
 
 from __future__ import annotations

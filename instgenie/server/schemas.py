@@ -202,10 +202,16 @@ class EditResponse(BaseModel):
     template_id: str | None
     seed: int
     worker: int
-    node: str = Field("local", description="the node (host) of the worker that ran it: "
-                      "\"local\" on one host, the Ray node id in cluster mode")
-    retried: bool = Field(False, description="its first worker died and it ran again on "
-                          "another one (the request's retry field)")
+    node: str = Field(
+        "local",
+        description="the node (host) of the worker that ran it: "
+        '"local" on one host, the Ray node id in cluster mode',
+    )
+    retried: bool = Field(
+        False,
+        description="its first worker died and it ran again on "
+        "another one (the request's retry field)",
+    )
     timings: Timings
 
 
@@ -306,8 +312,11 @@ class ImagesResponse(BaseModel):
 
 class WorkerHealth(BaseModel):
     index: int
-    node: str = Field("local", description="the node (host) it runs on: \"local\" on one "
-                      "host, the Ray node id in cluster mode")
+    node: str = Field(
+        "local",
+        description='the node (host) it runs on: "local" on one '
+        "host, the Ray node id in cluster mode",
+    )
     node_ip: str | None = Field(None, description="that node's address (cluster mode)")
     device: str
     state: str
@@ -398,7 +407,7 @@ class HealthResponse(BaseModel):
     nodes: list[NodeHealth] = Field(
         default_factory=list,
         description="the nodes (hosts) the workers run on, each with its workers' indices: "
-        "one \"local\" node on a single host; in cluster mode every Ray node with workers",
+        'one "local" node on a single host; in cluster mode every Ray node with workers',
     )
 
 

@@ -156,11 +156,18 @@ class TemplateRegistry:
 
     def ensure(self, slot: WorkerSlot, template_id: str) -> None:
         """Right before an edit of `template_id` is sent to `slot`: RegisterTemplate first when
-        the slot has no build record of it (sent on the same socket, so ordered before the
-        edit). Where the slot's node holds the cache it answers at once and the edit reads it;
-        elsewhere a capture starts and the edit runs the full path beside it."""
+        the slot has no build record of it, or its build is ready but the cache has left the
+        slot's node since (evicted: its residency reports no longer list it) - sent on the same
+        socket, so ordered before the edit. Where the slot's node holds the cache it answers at
+        once and the edit reads it; elsewhere a capture starts (the worker captures a template
+        whose cache it no longer holds again) and the edit runs the full path beside it."""
         rec = self.records.get(template_id)
-        if rec is None or slot.index in rec.builds or slot.client is None or not slot.accepting:
+        if rec is None or slot.client is None or not slot.accepting:
+            return
+        build = rec.builds.get(slot.index)
+        if build is not None and not (
+            build.state == "ready" and template_id not in slot.templates_ready
+        ):
             return
         try:
             self._build(rec, slot)

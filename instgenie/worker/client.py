@@ -106,9 +106,14 @@ class WorkerClient:
         self._prefix = secrets.token_hex(4)
         self._closed = False
         self._started = threading.Event()
+        self._start_error: BaseException | None = None  # the socket could not be made
         self._thread = threading.Thread(target=self._run, name="worker-client", daemon=True)
         self._thread.start()
         self._started.wait()
+        if self._start_error is not None:  # e.g. a non-local address without curve
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise self._start_error
 
     # ---- requests -------------------------------------------------------------------------------
     def new_uid(self) -> str:
@@ -252,8 +257,13 @@ class WorkerClient:
         os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
-        sock = ClientSocket(self.address, allow_remote=self._allow_remote, curve=self._curve,
-                            accept=WorkerToClient)  # fmt: skip
+        try:
+            sock = ClientSocket(self.address, allow_remote=self._allow_remote, curve=self._curve,
+                                accept=WorkerToClient)  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - raised by the constructor, which waits
+            self._start_error = exc
+            self._started.set()
+            return
         poller = zmq.Poller()
         poller.register(sock.socket, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)

@@ -26,6 +26,7 @@ class LoopReports:
         #: template id -> {tier: bytes} resident now, as the loop last reported (LoopSteps);
         #: emptied when the loop dies (its device store dies with it; the next loop reports)
         self.residency: dict[str, dict[str, int]] = {}
+        self.residency_known = False  # the current loop has reported its residency
         #: the loop's CostSpec (ChildReady; the latest loop's, kept across its restarts)
         self.cost_spec: CostSpec | None = None
 
@@ -40,6 +41,7 @@ class LoopReports:
         self.cache_stats.update(msg.cache)
         if msg.residency is not None:
             self.residency = msg.residency
+            self.residency_known = True
         if msg.entries:
             self._loop_steps = msg.entries[-1].step + 1
 
@@ -59,5 +61,6 @@ class LoopReports:
 
     def loop_died(self) -> None:
         self.residency = {}
+        self.residency_known = False
         self._step_offset += self._loop_steps
         self._loop_steps = 0

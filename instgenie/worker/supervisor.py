@@ -183,6 +183,13 @@ class Supervisor:
     def stats(self) -> dict[str, float]:
         return worker_stats(self)
 
+    def resident(self, template_id: str) -> bool:
+        """The template's cache is held by this worker's stores, as the loop last reported
+        (True until the loop has reported: nothing is known to be gone)."""
+        if not self.loop_reports.residency_known:
+            return True
+        return template_id in self.loop_reports.residency
+
     def residency(self) -> dict[str, dict[str, int]]:
         """Stats.residency: the loop's last report, of the templates still registered here (a
         drop answered before the loop's next report is not listed)."""
@@ -195,7 +202,8 @@ class Supervisor:
         if isinstance(msg, SubmitEdit):
             self.submit(identity, msg)
         elif isinstance(msg, RegisterTemplate):
-            if self.templates.register(identity, msg, closing=self.closing is not None):
+            if self.templates.register(identity, msg, closing=self.closing is not None,
+                                       resident=self.resident):  # fmt: skip
                 for c in self.children.stage_children():  # every pre process learns it
                     if c.ready:
                         self.children.send(c, msg)

@@ -88,9 +88,18 @@ class TemplateRegistry:
     def building(self) -> bool:
         return any(t.state == "building" for t in self._templates.values())
 
-    def register(self, identity: bytes, msg: RegisterTemplate, closing: bool) -> bool:
+    def register(
+        self,
+        identity: bytes,
+        msg: RegisterTemplate,
+        closing: bool,
+        resident: Callable[[str], bool] | None = None,
+    ) -> bool:
         """Answer at once, or wait for a build; True when a new build starts (the processes
-        that run captures must learn `msg`)."""
+        that run captures must learn `msg`). `resident(tid)`: whether the template's cache is
+        still held by this worker's stores (the loop's residency report); a template built
+        here whose cache has since left them (evicted from the node's tiers) is captured again
+        when it is registered again, rather than answered ready with no cache behind it."""
         tid = msg.template_id
         if not _TEMPLATE_ID.fullmatch(tid):
             why = "template_id: must be 64 lowercase hex characters"
@@ -101,7 +110,13 @@ class TemplateRegistry:
             self.reply(identity, TemplateReady(template_id=tid, ok=False, message=why))
             return False
         old = self._templates.get(tid)
-        if old is not None and old.msg == msg and old.state != "failed":
+        evicted = (
+            old is not None
+            and old.state == "ready"
+            and resident is not None
+            and (not resident(tid))
+        )
+        if old is not None and old.msg == msg and old.state != "failed" and not evicted:
             if old.state == "ready":
                 self.reply(identity, old.reply())
             else:

@@ -167,6 +167,14 @@ def test_a_template_is_built_on_one_node_and_where_its_edits_go(two_nodes) -> No
         workers = {w["worker"]: w["tier"] for w in _template_view(rt, rec)["workers"]}
         assert workers == {node_slot.index: None, rest.index: "dram"}
 
+        # an edit of the evicted template sent to that node again: it is registered there
+        # again and captured again (a miss now), so the next edit there reads its cache
+        miss = await _edit(rt, rec, worker=node_slot.index, seed=5)
+        assert (miss["worker"], miss["path"]) == (node_slot.index, "full")
+        await _until("captured again", lambda: tid in node_slot.templates_ready)
+        hit = await _edit(rt, rec, worker=node_slot.index, seed=6)
+        assert (hit["path"], hit["cache"]) == ("masked", "hit")
+
     asyncio.run(scenario())
 
 

@@ -29,3 +29,14 @@ def test_unencodable_messages_fail_alone_and_the_thread_lives() -> None:
     with pytest.raises(WorkerError) as e:
         pending.result(timeout=10)
     assert e.value.code == "client_closed"
+
+
+def test_a_client_whose_socket_cannot_be_made_raises_instead_of_hanging() -> None:
+    """A non-local address without CurveZMQ is refused by the socket thread: the constructor
+    raises that error (it used to wait forever for a thread that had died)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(WorkerClient, "tcp://192.0.2.1:5555", allow_remote=True)
+        with pytest.raises(ValueError, match="CurveZMQ"):
+            fut.result(timeout=30)
