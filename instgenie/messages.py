@@ -89,6 +89,9 @@ class RequestNotes(Nested):  # what a request's stages learn about it (RequestSt
     template_id: str | None = None
     capture_key: str | None = None
     capture_lost_race: bool = False  # a capture run whose key another process captures
+    #: a capture run that found no room in the node's cache tiers (every entry in use): why;
+    #: the capture records nothing and its build fails, retryable ("" = it had room)
+    capture_no_room: str = ""
     cache: CacheOutcome | None = None  # an edit of a template: could it read the cache; else None
     cache_tier: Tier | None = None  # on a hit: where the cache was read from when it joined
     fallback_reason: str | None = None  # a miss: why the edit runs the full path
@@ -253,6 +256,9 @@ class TemplateReady(WorkerToClient):  # outcome of RegisterTemplate (sup)
     #: cache bytes per tier where the entry lives now: "gpu" | "cpu" (the loop's device store),
     #: "dram" | "disk" (host store); empty when not ok (loop)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    #: not ok for a reason that may pass (no room in the node's tiers now): registering the
+    #: template again later may succeed; false for content that cannot be captured
+    retryable: bool = False
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

@@ -34,7 +34,7 @@ from instgenie.cache.disk import CacheMiss, check_key
 from instgenie.cache.disk_stream import StreamedHandle, StreamedTemplate
 from instgenie.cache.host_template import HostTemplate
 from instgenie.cache.hostmem import device_view, pin, unpin
-from instgenie.cache.index import EntryInUse
+from instgenie.cache.index import CacheFull, EntryInUse
 from instgenie.cache.layout import TemplateLayout
 from instgenie.cache.quant import FP8, quantize_rows
 from instgenie.cache.store import TemplateMeta
@@ -222,6 +222,9 @@ class _StreamingWriter:
         self._pending: dict[int, torch.Tensor] = {}
         self._writer = None
         self.lost = False  # another process reserved the key first
+        #: why the node's tiers had no room for it (every entry in use): it records nothing,
+        #: is never committed, and the capture run itself goes on ("" = it had room)
+        self.no_room = ""
 
     def _layout(self, latents: torch.Tensor) -> TemplateLayout:
         first = next(iter(self._pending.values()))
@@ -242,7 +245,7 @@ class _StreamingWriter:
         self._writer.put_block(step, block_id, value)
 
     def put_block(self, step: int, block_id: int, y: torch.Tensor) -> None:
-        if self.lost:
+        if self.lost or self.no_room:
             return
         if self._writer is None:
             if step != 0:
@@ -253,7 +256,7 @@ class _StreamingWriter:
         self._put(step, block_id, y)
 
     def put_latents(self, step: int, latents: torch.Tensor) -> None:
-        if self.lost:
+        if self.lost or self.no_room:
             return
         if self._writer is None:
             layout = self._layout(latents)
@@ -261,6 +264,10 @@ class _StreamingWriter:
                 self._writer = self.store.tiered.writer(self.key, layout)
             except ValueError:  # building or ready in some tier: another process was first
                 self.lost = True
+                self._pending.clear()
+                return
+            except CacheFull as exc:  # never the step's failure: the edits beside it go on
+                self.no_room = str(exc)
                 self._pending.clear()
                 return
             for b in sorted(self._pending):
@@ -271,7 +278,7 @@ class _StreamingWriter:
         self._writer.put_latents(step, latents)
 
     def commit(self) -> None:
-        if self.lost:
+        if self.lost or self.no_room:
             return
         if self._writer is None:
             raise RuntimeError("incomplete capture: no step finished")

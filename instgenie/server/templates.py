@@ -265,6 +265,12 @@ class TemplateRegistry:
             self._fresh.setdefault(slot.index, {})[tid] = build
             slot.templates_ready.add(tid)
             slot.template_tiers[tid] = fastest_tier(build.bytes_by_tier)
+        elif exc is None and fut.result().retryable:
+            # no room on that node now (its tiers full of caches in use): not the template's
+            # fault; the record is dropped so that the next edit routed there sends it again
+            rec.builds.pop(slot.index, None)
+            log.warning("template %s on worker %d: %s", tid[:12], slot.index,
+                        fut.result().message)  # fmt: skip
         elif exc is None:
             build.state, build.message = "failed", fut.result().message
         elif isinstance(exc, WorkerError) and exc.code == "invalid_request":

@@ -262,8 +262,11 @@ class Loop:
                 if r.error is None and s.notes.capture_lost_race and status == "building":
                     self.awaiting[key] = (template, None)
                     continue
+                no_room = s.notes.capture_no_room
                 why = r.error[1] if r.error else "" if status == "ready" else "not committed"
-                self.template_ready(template, key, why)
+                if no_room and not r.error:
+                    why = f"no room in this node's cache tiers now ({no_room}); register again"
+                self.template_ready(template, key, why, retryable=bool(no_room) and not r.error)
             elif r.error is not None:
                 code, message = r.error
                 self.rt.send(EditFailed(uid=s.uid, code=code, message=message, retryable=False))
@@ -301,14 +304,16 @@ class Loop:
             else:
                 self.template_ready(template, key, "the capture by another worker failed")
 
-    def template_ready(self, template_id: str, key: str, why: str) -> None:
-        """TemplateReady for a capture (why == "": ok) with the cache's bytes per tier."""
+    def template_ready(self, template_id: str, key: str, why: str, retryable: bool = False) -> None:
+        """TemplateReady for a capture (why == "": ok) with the cache's bytes per tier;
+        `retryable`: it failed for a reason that may pass (no room in the tiers now)."""
         tiers = {}
         if not why:
             store = self.pipe.store
             by_tier = getattr(store, "bytes_by_tier", None)  # a device tier: every tier holding it
             tiers = by_tier(key) if by_tier else {tier_of(store, key): store.meta(key).nbytes}
-        msg = TemplateReady(template_id=template_id, ok=not why, message=why, bytes_by_tier=tiers)
+        msg = TemplateReady(template_id=template_id, ok=not why, message=why, bytes_by_tier=tiers,
+                            retryable=retryable)  # fmt: skip
         self.cache_changed = True
         self.rt.send(msg)
 

@@ -291,7 +291,8 @@ class Supervisor:
             if flight is not None:
                 self.clients.reply(flight.identity, dataclasses.replace(msg, uid=flight.client_uid))
         elif isinstance(msg, TemplateReady):
-            self.templates.done(msg.template_id, msg.ok, msg.message, msg.bytes_by_tier)
+            self.templates.done(msg.template_id, msg.ok, msg.message, msg.bytes_by_tier,
+                                msg.retryable)  # fmt: skip
             if msg.ok:
                 self.loop_reports.template_ready(msg.template_id, msg.bytes_by_tier)
         elif isinstance(msg, LoopSteps):

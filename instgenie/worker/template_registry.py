@@ -38,6 +38,7 @@ class Template:
     registered_at: float = field(default_factory=time.monotonic)
     build_ms: float = 0.0  # registered -> ready/failed, ms
     bytes_by_tier: dict[str, int] = field(default_factory=dict)  # from the loop's TemplateReady
+    retryable: bool = False  # failed for a reason that may pass (TemplateReady.retryable)
 
     @property
     def capture_uid(self) -> str:
@@ -46,7 +47,8 @@ class Template:
     def reply(self) -> TemplateReady:
         return TemplateReady(template_id=self.msg.template_id, ok=self.state == "ready",
                              message=self.message, build_ms=self.build_ms,
-                             bytes_by_tier=self.bytes_by_tier)  # fmt: skip
+                             bytes_by_tier=self.bytes_by_tier,
+                             retryable=self.retryable and self.state == "failed")  # fmt: skip
 
     def build_on(self, target: Child) -> None:
         """Its capture (BuildTemplate) was sent to `target`: one more attempt."""
@@ -142,7 +144,12 @@ class TemplateRegistry:
         return True
 
     def done(
-        self, tid: str, ok: bool, message: str, bytes_by_tier: dict[str, int] | None = None
+        self,
+        tid: str,
+        ok: bool,
+        message: str,
+        bytes_by_tier: dict[str, int] | None = None,
+        retryable: bool = False,
     ) -> None:
         """Its build ended (ok or not): answer every waiter."""
         t = self._templates.get(tid)
@@ -154,6 +161,7 @@ class TemplateRegistry:
         t.state, t.message = ("ready" if ok else "failed"), message
         t.build_ms = 1e3 * (time.monotonic() - t.registered_at)
         t.bytes_by_tier = dict(bytes_by_tier or {})
+        t.retryable = retryable
         for identity in t.waiters:
             self.reply(identity, t.reply())
         t.waiters.clear()

@@ -272,3 +272,35 @@ def test_a_failed_pin_does_not_leak_the_reference(tmp_path, monkeypatch) -> None
     finally:
         hs.tiered.close()
         cleanup(ns)
+
+
+def test_a_capture_with_no_room_records_nothing_and_the_batch_goes_on(tmp_path) -> None:
+    """DRAM holds one template, disk is off, and that template is in use by an edit: a second
+    template's capture, batched with the edit, cannot reserve room. It records nothing and says
+    why (capture_no_room); the step does not fail, and the edit beside it finishes masked."""
+    used = 0
+    for dram in (64 << 20, None):  # a first run measures one template's DRAM bytes
+        ns = uuid.uuid4().hex[:10]
+        root = tmp_path / ns
+        tiered = TieredStore(root, ns, dram_capacity_bytes=dram or used, disk_capacity_bytes=0)
+        try:
+            pipe = EditPipeline(_family(), store=HostActivationStore(tiered, root))
+            key, full, edit = _replay(pipe)
+            used = int(tiered.stats()["bytes_dram"])
+            if dram is not None:
+                continue
+            img2 = png_bytes(make_image(128, 128, seed=8))
+            other = pipe.register_template(TemplateSpec(image=img2, prompt="a coat", seed=2,
+                                                        num_inference_steps=STEPS))  # fmt: skip
+            s_edit = pipe.preprocess(edit)  # reads `key`: its entry is in use until it is done
+            s_cap = pipe.capture_state(other)
+            batch = [s_edit, s_cap]
+            while not all(s.is_done for s in batch):
+                pipe.denoise_step([s for s in batch if not s.is_done])
+            assert s_edit.path == "masked"
+            _close(s_edit.latents, full.latents)
+            assert pipe.store.status(other) == "absent"  # nothing committed
+            assert "do not fit" in s_cap.notes.capture_no_room
+        finally:
+            tiered.close()
+            cleanup(ns)
