@@ -12,30 +12,17 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "instgenie"
 
+#: what pure-Python deciding code may not import: another layer, or a model stack
+_PURE = ("instgenie.cache", "instgenie.engine", "instgenie.worker", "instgenie.server", "torch",
+         "diffusers")  # fmt: skip
 #: package -> module prefixes none of its modules may import (at any depth, lazily included)
 FORBIDDEN = {
     "cache": ("instgenie.engine", "instgenie.scheduler", "instgenie.worker", "instgenie.server"),
     # scikit-learn is allowed: only inside LinearFit.fit, which the profiler calls
-    "scheduler": (
-        "instgenie.cache",
-        "instgenie.engine",
-        "instgenie.worker",
-        "instgenie.server",
-        "torch",
-        "diffusers",
-        "triton",
-        "transformers",
-    ),  # fmt: skip
+    "scheduler": (*_PURE, "triton", "transformers"),
     "engine": ("instgenie.worker", "instgenie.server"),
     # the simulator runs the scheduler's code, never a model or a process
-    "sim": (
-        "instgenie.cache",
-        "instgenie.engine",
-        "instgenie.worker",
-        "instgenie.server",
-        "torch",
-        "diffusers",
-    ),  # fmt: skip
+    "sim": _PURE,
 }
 
 
@@ -57,3 +44,28 @@ def test_package_imports_stay_in_their_layer(package: str) -> None:
             if any(module == p or module.startswith(p + ".") for p in FORBIDDEN[package]):
                 bad.append(f"{path.relative_to(PKG.parent)}:{line} imports {module}")
     assert not bad, "\n".join(bad)
+
+
+def test_only_cluster_mode_imports_ray() -> None:
+    """Without --cluster nothing imports Ray: only instgenie/cluster/ may (and the server
+    imports that package lazily, in cluster mode)."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.is_relative_to(PKG / "cluster"):
+            continue
+        for line, module in _imports(path):
+            if module == "ray" or module.startswith("ray."):
+                bad.append(f"{path.relative_to(PKG.parent)}:{line} imports {module}")
+            if module.startswith("instgenie.cluster") and not _inside_function(path, line):
+                bad.append(f"{path.relative_to(PKG.parent)}:{line} imports {module} at import time")
+    assert not bad, "\n".join(bad)
+
+
+def _inside_function(path: Path, line: int) -> bool:
+    """The import at `line` of `path` runs only when a function is called."""
+    tree = ast.parse(path.read_text(), str(path))
+    return any(
+        isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.lineno <= line <= (node.end_lineno or node.lineno)
+        for node in ast.walk(tree)
+    )

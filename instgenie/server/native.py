@@ -66,13 +66,15 @@ def _template_view(rt: Runtime, rec: TemplateRecord) -> dict:
     def tier(s: WorkerSlot) -> str | None:  # the fastest tier holding it for `s` now
         return s.template_tiers.get(tid, "unknown") if tid in s.templates_ready else None
 
+    by_index = {s.index: s for s in slots}  # slot indices are ids (cluster slots come and go)
     for index, b in sorted(rec.builds.items()):
+        slot = by_index.get(index)
         workers.append(
             {
                 "worker": index,
-                "node": slots[index].node,
+                "node": slot.node if slot is not None else None,
                 "status": b.state,
-                "tier": tier(slots[index]),
+                "tier": tier(slot) if slot is not None else None,
                 "build_ms": b.build_ms,
                 "bytes_by_tier": b.bytes_by_tier,
                 "message": printable(b.message) if b.message else None,

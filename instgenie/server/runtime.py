@@ -34,7 +34,7 @@ from instgenie.server.errors import ApiError, cancel_code
 from instgenie.server.health import HealthMonitor
 from instgenie.server.jobs import INTERRUPTED, JobTable
 from instgenie.server.metrics import Metrics, fastest_tier, live_families
-from instgenie.server.pool import WorkerPool, WorkerSlot
+from instgenie.server.pool import LOCAL_NODE, WorkerPool, WorkerSlot
 from instgenie.server.state_db import StateDB
 from instgenie.server.templates import TemplateRegistry, template_id_of
 from instgenie.server.uploads import ImageInfo, probe_image
@@ -148,15 +148,8 @@ class Runtime:
         """/health's "nodes": each node with its workers."""
         if self.membership is not None:
             return self.membership.report()
-        return [
-            {
-                "node": s.node,
-                "address": None,
-                "alive": True,
-                "workers": [x.index for x in self.pool.slots],
-            }
-            for s in self.pool.slots[:1]
-        ]
+        workers = [s.index for s in self.pool.slots]
+        return [{"node": LOCAL_NODE, "address": None, "alive": True, "workers": workers}]
 
     def add_worker(self, config, node: str, ip: str) -> WorkerSlot:
         """A new worker on `node` (cluster mode: a node joined), started in the background; it
@@ -385,16 +378,16 @@ class Runtime:
     ) -> dict:
         """Run an admitted edit; the native edit response as a dict. If its worker dies (the
         worker's process, or its whole node) and the request allows it (`spec.retry`), it is
-        admitted and run once more, on another worker: an edit is deterministic under its seed,
-        so the image is the one the first worker would have made. The response keeps the
-        first ticket's id."""
+        admitted and run once more while another worker is accepting (`_may_retry`): an edit is
+        deterministic under its seed, so the image is the one the first worker would have
+        made. The response keeps the first ticket's id."""
         first, retried = ticket, False
         while True:
             try:
                 outcome = await self.dispatcher.run(ticket, spec.fields, on_progress)
                 break
             except ApiError as exc:
-                if exc.code == "worker_died" and spec.retry and not retried and not self.draining:
+                if exc.code == "worker_died" and self._may_retry(spec, ticket, retried):
                     retried = True
                     self.metrics.retries.inc()
                     log.warning("edit %s: %s; running it again on another worker", first.uid,
@@ -410,6 +403,14 @@ class Runtime:
                 self.metrics.failures.labels(cancel_code(exc)).inc()
                 raise
         return self._response(first, spec, outcome, retried)
+
+    def _may_retry(self, spec: EditSpec, ticket: Ticket, retried: bool) -> bool:
+        """An edit whose worker died runs again once, on another worker: only while one is
+        accepting (a lone worker's death is answered worker_died, as a request that killed its
+        worker must not kill it twice)."""
+        if not spec.retry or retried or self.draining:
+            return False
+        return any(s.accepting and s is not ticket.slot for s in self.pool.slots)
 
     def _response(self, ticket: Ticket, spec: EditSpec, outcome: Outcome, retried: bool) -> dict:
         d = outcome.done

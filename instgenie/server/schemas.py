@@ -236,7 +236,9 @@ class JobResponse(BaseModel):
 
 class TemplateWorker(BaseModel):
     worker: int
-    node: str = Field(description='the node the worker runs on ("local" on one host)')
+    node: str | None = Field(
+        description='the node the worker runs on ("local" on one host); null: no longer in the pool'
+    )
     status: Literal["building", "ready", "failed"]
     tier: str | None = Field(
         description="fastest tier holding the cache for this worker now (its own gpu/cpu, its "

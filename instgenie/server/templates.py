@@ -246,7 +246,10 @@ class TemplateRegistry:
         loop = asyncio.get_running_loop()
 
         def built(f) -> None:
-            loop.call_soon_threadsafe(self._built, rec, slot, incarnation, build, f)
+            try:
+                loop.call_soon_threadsafe(self._built, rec, slot, incarnation, build, f)
+            except RuntimeError:  # the event loop closed: answered as the server stopped
+                pass
 
         fut.add_done_callback(built)
 
