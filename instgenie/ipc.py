@@ -12,11 +12,12 @@ Invariants (RELIABILITY.md item 14):
   no socket ever listens or talks in clear text beyond this host. Curve is optional on local
   addresses (same guarantees there when given).
 - A socket bound with curve is a CURVE server (traffic encrypted, the server proves its key) and
-  is guarded by this process's one ZAP handler (zmq.auth ThreadAuthenticator, started before the
-  first such bind, never stopped): a connection is let in only if its client public key is one
-  of that socket's `ServerCurve.clients`, matched exactly (each socket its own ZAP domain; a
-  closed socket's domain admits nobody). Anything else never completes the handshake: none of
-  its frames reaches the socket (not even as garbage). Nothing is written to disk.
+  is guarded by this process's one ZAP handler (instgenie/zap.py: zmq.auth ThreadAuthenticator,
+  started before the first such bind, never stopped): a connection is let in only if its client
+  public key is one of that socket's `ServerCurve.clients`, matched exactly (each socket its
+  own ZAP domain; a closed socket's domain admits nobody). Anything else never completes the
+  handshake: none of its frames reaches the socket (not even as garbage). Nothing is written to
+  disk.
 - `ipc_address(tag)` makes unique paths in a private directory (0700),
   `<tmp>/instgenie-ipc-<pid>-<random>`, removed when its process exits, however it exits
   (ipc_dir_prefix says by whom).
@@ -43,7 +44,6 @@ import secrets
 import shutil
 import stat
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,10 +51,9 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from instgenie.wire import MAX_MESSAGE_BYTES, Message, MessageError, decode, encode
+from instgenie.zap import AllowedClients, curve_client, curve_server
 
 if TYPE_CHECKING:
-    from zmq.auth.thread import ThreadAuthenticator
-
     from instgenie.curve import ClientCurve, ServerCurve
 
 log = logging.getLogger(__name__)
@@ -116,65 +115,6 @@ def check_address(address: str, *, allow_remote: bool = False, curve: bool = Fal
             "loopback needs curve keys (instgenie.curve.CurveKeys; `instgenie keys generate`)"
         )
     return address
-
-
-# ---- CurveZMQ: one ZAP handler per process, an exact allow list per bound socket --------------
-class _AllowedClients:
-    """A ZAP credentials provider: the client public keys (z85) one bound socket accepts.
-    It stays registered for the process's life (removing a domain would race the authenticator
-    thread's lookup); `revoke` empties it when its socket closes (a few hundred bytes each)."""
-
-    def __init__(self, keys: tuple[str, ...]) -> None:
-        self.keys = frozenset(k.encode("ascii") for k in keys)
-
-    def callback(self, domain: str, key: bytes) -> bool:  # called in the authenticator thread
-        return key in self.keys
-
-    def revoke(self) -> None:
-        self.keys = frozenset()  # one reference swap: atomic for the authenticator thread
-
-
-_auth: tuple[int, ThreadAuthenticator] | None = None  # (pid, this process's ZAP handler)
-_auth_lock = threading.Lock()
-
-
-def _authenticator() -> ThreadAuthenticator:
-    """This process's ZAP handler on context(), started on first use (a forked child, or a new
-    context, gets its own: the parent's thread and context are not in it). Runs until the
-    process exits."""
-    global _auth
-    with _auth_lock:
-        if _auth is None or _auth[0] != os.getpid() or _auth[1].context is not context():
-            from zmq.auth.thread import ThreadAuthenticator  # (asyncio: only where curve is used)
-
-            auth = ThreadAuthenticator(context(), log=logging.getLogger("instgenie.ipc.zap"))
-            auth.start()
-            _auth = (os.getpid(), auth)
-        return _auth[1]
-
-
-def _curve_server(socket: zmq.Socket, curve: ServerCurve) -> _AllowedClients:
-    """Make `socket` (not bound yet) a CURVE server whose own ZAP domain admits exactly
-    curve.clients; returns that allow list (revoke it when the socket closes)."""
-    auth = _authenticator()  # before the bind: a CURVE server without a ZAP handler admits anyone
-    domain = f"instgenie-{secrets.token_hex(8)}"
-    allowed = _AllowedClients(curve.clients)
-    auth.configure_curve_callback(domain, allowed)
-    socket.setsockopt(zmq.CURVE_SERVER, 1)
-    socket.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode("ascii"))
-    socket.setsockopt(zmq.CURVE_PUBLICKEY, curve.public.encode("ascii"))
-    socket.setsockopt_string(zmq.ZAP_DOMAIN, domain)
-    try:  # a draft option in some builds: refuse, not admit, should the handler ever be missing
-        socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-    except zmq.ZMQError:
-        pass
-    return allowed
-
-
-def _curve_client(socket: zmq.Socket, curve: ClientCurve) -> None:
-    socket.setsockopt(zmq.CURVE_SERVERKEY, curve.server.encode("ascii"))
-    socket.setsockopt(zmq.CURVE_PUBLICKEY, curve.public.encode("ascii"))
-    socket.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode("ascii"))
 
 
 def ipc_address(tag: str) -> str:
@@ -265,7 +205,7 @@ class Endpoint:
         self.garbage_frames = 0  # dropped received messages (any reason), count
         self._pid = os.getpid()
         self._bound_files: list[str] = []  # ipc socket files this endpoint created
-        self._zap: _AllowedClients | None = None  # its ZAP allow list, once bound with curve
+        self._zap: AllowedClients | None = None  # its ZAP allow list, once bound with curve
         self.socket = context().socket(socket_type)
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -283,7 +223,7 @@ class Endpoint:
         if curve is not None:
             if self._zap is not None:
                 raise ValueError(f"{self.name}: a socket binds with curve keys once")
-            self._zap = _curve_server(self.socket, curve)
+            self._zap = curve_server(self.socket, curve, context())
         self.socket.bind(address)
         resolved = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         if resolved.startswith("ipc://"):
@@ -297,7 +237,7 @@ class Endpoint:
         self._check_pid()
         check_address(address, allow_remote=allow_remote, curve=curve is not None)
         if curve is not None:
-            _curve_client(self.socket, curve)
+            curve_client(self.socket, curve)
         self.socket.connect(address)
 
     def close(self) -> None:

@@ -34,16 +34,6 @@ class NodeInfo:
     alive: bool
 
 
-def parse_workers(text: str) -> int | None:
-    """--workers: "auto" -> None, else a positive count (ValueError)."""
-    if text == "auto":
-        return None
-    n = int(text)
-    if n < 1:
-        raise ValueError(f"workers: must be 'auto' or a positive count, got {text!r}")
-    return n
-
-
 def wanted(nodes: list[NodeInfo], per_node: int | None, gpu: bool) -> dict[str, int]:
     """Workers each alive node should run (0 for a GPU model on a node without GPUs)."""
     out = {}
@@ -81,9 +71,6 @@ class Fleet:
             )  # fmt: skip
             for n in ray.nodes()
         ]
-
-    def wanted(self) -> dict[str, int]:
-        return wanted(self.nodes(), self.per_node, self.gpu)
 
     def slot_config(self) -> Config:
         return worker_config(self.config, self.gpu)

@@ -103,14 +103,14 @@ def state_path(server: ServerConfig, worker: WorkerConfig) -> Path | None:
 def _cluster_pool(server: ServerConfig, config: Config):
     """(fleet, pool) of a cluster server: connected to Ray, one slot per worker the nodes alive
     now should run (cluster/fleet.py); more come as nodes join (cluster/membership.py)."""
-    from instgenie.cluster.fleet import Fleet  # (imports Ray: cluster mode only)
+    from instgenie.cluster.fleet import Fleet, wanted  # (imports Ray: cluster mode only)
     from instgenie.server.pool import WorkerPool
 
     per_node = None if server.workers == WORKERS_AUTO else int(server.workers)
     fleet = Fleet(server.cluster, config, per_node, server.worker_start_timeout_s)
     try:
         nodes = fleet.nodes()
-        want = fleet.wanted()
+        want = wanted(nodes, per_node, fleet.gpu)
         ips = {n.node: n.ip for n in nodes}
         placed = [(node, ips[node]) for node, n in sorted(want.items()) for _ in range(n)]
         if not placed:
