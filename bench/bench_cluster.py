@@ -110,7 +110,8 @@ def main() -> int:
                    "--port", "0", "--cache-gpu-bytes", "0",
                    "--routing", policy, "--default-steps", str(args.steps),
                    "--cache-dram-bytes", args.dram_bytes, "--cache-disk-bytes", "0",
-                   "--state-db", "none"]  # fmt: skip
+                   "--state-db", "none",
+                   "--step-log", str((out / f"steps-{policy}.jsonl").resolve())]  # fmt: skip
             if args.profile:
                 cmd += ["--profile", args.profile]
             cmd += args.serve_args.split()

@@ -270,6 +270,8 @@ class _StreamingWriter:
                 self.no_room = str(exc)
                 self._pending.clear()
                 return
+            if self.store.pin_memory and latents.is_cuda and hasattr(self._writer, "pin"):
+                self._writer.pin()  # DRAM segment: async DMA for every block from here on
             for b in sorted(self._pending):
                 self._put(0, b, self._pending[b])
             self._pending.clear()

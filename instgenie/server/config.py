@@ -73,6 +73,10 @@ class ServerConfig:
     health_poll_s: float = 0.5
     #: a worker whose last stats answer is older than this, seconds, is unhealthy
     health_timeout_s: float = 3.0
+    #: append every worker's step log (messages.StepEntry, as polled) to this file, one JSON
+    #: object per step with "worker" and "node" added; "" = off. For calibrating the simulator
+    #: and the profile against a served workload (bench/report_cluster.py)
+    step_log: str = ""
     #: a worker holding requests in its loop whose step counter has not moved for this long,
     #: seconds, is unhealthy (a stuck loop)
     stall_s: float = 30.0

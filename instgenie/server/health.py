@@ -14,6 +14,8 @@ waiting on full healthy workers would otherwise move only at the next request co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -124,10 +126,22 @@ class HealthMonitor:
             except (TimeoutError, WorkerError, RuntimeError):
                 return
             if slot.handle is handle and entries:
-                self.metrics.observe_steps(
-                    slot.index, [e for e in entries if e.step >= slot.step_cursor], slot.node
-                )
+                new = [e for e in entries if e.step >= slot.step_cursor]
+                self.metrics.observe_steps(slot.index, new, slot.node)
+                if self.cfg.step_log:
+                    self._append_steps(slot, new)
                 slot.step_cursor = max(e.step for e in entries) + 1
+
+    def _append_steps(self, slot: WorkerSlot, entries: list) -> None:
+        """`entries` of `slot` as JSON lines at cfg.step_log (append; a write error is logged
+        once per poll and loses only those lines: it must never stop health polling)."""
+        try:
+            with open(self.cfg.step_log, "a") as f:
+                for e in entries:
+                    row = {"worker": slot.index, "node": slot.node} | dataclasses.asdict(e)
+                    f.write(json.dumps(row) + "\n")
+        except OSError as exc:
+            log.warning("step log %s: %s", self.cfg.step_log, exc)
 
     def _fence(self, slot: WorkerSlot, handle) -> None:
         """Kill a supervisor that has answered nothing for worker_hang_s: the next poll sees it
