@@ -14,6 +14,11 @@ server_total_ms), reported as `overhead_ms` (so the comparison tests queueing, b
 cache placement, not PNG speed). The templates start where the server placed them (placement
 alternates between empty nodes: template i on node i mod nodes), as the load tester waits for
 every template to be ready before it sends.
+
+With `--physics FILE` (bench/calibrate_sim.py, fitted from another served run) the simulated
+steps take a served loop's times (instgenie/sim/physics.py) and the time outside the loop is the
+calibration run's, not the measured run's: nothing of the measured run feeds its prediction but
+its requests' send times, templates and mask ratios.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from instgenie.config import byte_count
 from instgenie.scheduler.estimate import Estimator
 from instgenie.sim.catalogue import Catalogue, cache_bytes
 from instgenie.sim.models import profile_spec
+from instgenie.sim.physics import StepPhysics, outside_ms
 from instgenie.sim.scenario import Cluster, Scenario, simulate
 from instgenie.sim.workload import Arrival
 
@@ -43,14 +49,7 @@ def measured(report: dict) -> tuple[list[dict], dict]:
     return rows, out
 
 
-def overhead_ms(rows: list[dict]) -> float:
-    """Median per-request time outside the loop's modelled work, ms (module docstring)."""
-    vals = [t["preprocess_ms"] + t["postprocess_ms"] + r["latency_ms"] - t["server_total_ms"]
-            for r in rows if r["status"] == 200 and (t := r.get("timings"))]  # fmt: skip
-    return float(np.median(vals)) if vals else 0.0
-
-
-def predict(rows, policy, args, spec, extra_ms: float) -> dict:
+def predict(rows, policy, args, spec, extra_ms: float, physics: StepPhysics | None) -> dict:
     templates = sorted({int(r["template"]) for r in rows})
     n_tpl = max(templates) + 1
     W = H = args.size
@@ -70,7 +69,7 @@ def predict(rows, policy, args, spec, extra_ms: float) -> dict:
                       disk_bytes=0, max_batch=args.max_batch)  # fmt: skip
     initial = {cat.ids[i]: [i % args.gpus] for i in range(n_tpl)}
     sc = Scenario(spec, cluster, cat, arrivals, width=W, height=H, steps=args.steps,
-                  initial=initial)  # fmt: skip
+                  initial=initial, physics=physics)  # fmt: skip
     res = simulate(sc, policy)
     ok = [j for j in res.requests if j.finish_ms >= 0]
     lat = np.array([j.finish_ms - j.arrival_ms + extra_ms for j in ok])
@@ -88,17 +87,19 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--physics", default="", help="step physics JSON (bench/calibrate_sim.py)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     spec = profile_spec(args.profile)
+    physics = StepPhysics.load(args.physics) if args.physics else None
     table = []
     for path in sorted(Path(args.dir).glob("*.json")):
         if path.name.startswith("compare"):
             continue
         policy = path.stem
         rows, real = measured(json.loads(path.read_text()))
-        extra = overhead_ms(rows)
-        sim = predict(rows, policy, args, spec, extra)
+        extra = physics.outside_ms if physics else outside_ms(rows)
+        sim = predict(rows, policy, args, spec, extra, physics)
         table.append({"policy": policy, "measured": real, "simulated": sim,
                       "overhead_ms": extra,
                       "error_p50": sim["p50"] / real["p50"] - 1,

@@ -50,7 +50,7 @@ class Engine:
                       for h in range(cl.hosts)]  # fmt: skip
         slots = cl.slots or 2 * cl.max_batch
         self.workers = [
-            SimWorker(h * cl.gpus + g, host, self.est, cl.max_batch, slots, sc.guidance)
+            SimWorker(h * cl.gpus + g, host, self.est, cl.max_batch, slots, sc.guidance, sc.physics)
             for h, host in enumerate(self.hosts)
             for g in range(cl.gpus)
         ]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from instgenie.scheduler.routing import RoutingPolicy, make_policy
 from instgenie.scheduler.spec import CostSpec
 from instgenie.sim.catalogue import Catalogue
+from instgenie.sim.physics import StepPhysics
 from instgenie.sim.workload import Arrival
 
 
@@ -50,6 +51,9 @@ class Scenario:
     #: placement.place picks (the server's registration)
     initial: dict[str, Sequence[int]] | None = None
     extra: dict = field(default_factory=dict)  # carried into the report
+    #: step times of a served loop, fitted from a served run (physics.py); None: each step
+    #: takes the profile's price
+    physics: StepPhysics | None = None
 
 
 def simulate(scenario: Scenario, policy: str | RoutingPolicy):  # noqa: ANN201 - engine.Result

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from instgenie.scheduler.estimate import Estimator, Work
 from instgenie.scheduler.views import RouteRequest, WorkerView
+from instgenie.sim.physics import StepPhysics
 from instgenie.sim.tiers import HostTiers
 
 
@@ -43,6 +44,7 @@ class Job:
     tier: str | None = None  # the tier it read its template's cache from (None: full path)
     steps_done: int = 0
     triggered_capture: bool = False  # its dispatch sent its template's capture ahead of it
+    no_room: bool = False  # a capture run whose host had no room for it: it records nothing
     _view: RouteRequest | None = None
 
     @property
@@ -81,8 +83,11 @@ class Host:
 
 class SimWorker:
     def __init__(self, index: int, host: Host, est: Estimator, max_batch: int, slots: int,
-                 guidance: float | None) -> None:  # fmt: skip
+                 guidance: float | None, physics: StepPhysics | None = None) -> None:  # fmt: skip
         self.index = index
+        #: a served loop's step times (physics.py); None: each step takes its price
+        self.physics = physics
+        self._last_batch: frozenset[int] = frozenset()  # uids of the last step's batch
         self.host = host
         self.est = est
         self.max_batch = max_batch
@@ -131,7 +136,7 @@ class SimWorker:
             self._join()
             if not self.running:
                 continue
-            yield self._spent(est.step_ms([j.work for j in self.running]))  # type: ignore[misc]
+            yield self._spent(self._step_ms())
             self.steps += 1
             for j in self.running:
                 j.steps_done += 1
@@ -141,9 +146,23 @@ class SimWorker:
             for j in done:
                 if j.capture:
                     self._committed(j)
+                elif j.tier is not None:
+                    self.host.tiers.release(j.template)  # type: ignore[arg-type]
             if edits:  # one batched decode (priced per request, as the router does)
                 yield self._spent(sum(est.stage_ms("decode", j.pixels) for j in edits))
                 self.finished += edits
+
+    def _step_ms(self) -> float:
+        """The running batch's next step: its price (Estimator.step_ms), as `physics` turns a
+        price into a served loop's step time."""
+        price = self.est.step_ms([j.work for j in self.running])  # type: ignore[misc]
+        if self.physics is None:
+            return price
+        batch = frozenset(j.uid for j in self.running)
+        new, self._last_batch = batch != self._last_batch, batch
+        captures = [j for j in self.running if j.capture]
+        first = sum(self.host.nbytes for j in captures if j.steps_done == 0 and not j.no_room)
+        return self.physics.step_ms(price, new, first, len(captures))
 
     def _spent(self, ms: float) -> float:
         self.busy_ms += ms
@@ -157,6 +176,7 @@ class SimWorker:
             assert t is not None
             if host.tiers.tier(t) is not None:  # committed meanwhile: answered at once
                 return
+            job.no_room = not host.tiers.reserve(t, host.nbytes)
             job.work = self.est.work(job.pixels, job.steps, self.guidance, None, None)
         else:
             assert job.route is not None
@@ -183,6 +203,8 @@ class SimWorker:
         host = self.host
         assert job.template is not None
         host.building.pop(job.template, None)
+        if job.no_room:  # recorded nothing: the next edit routed here sends it again
+            return
         host.tiers.commit(job.template, host.nbytes)
         host.tiers.captures += 1
         host.version += 1

@@ -111,6 +111,30 @@ def test_template_build_then_masked_edit_hits_the_cache(srv: ServerProcess) -> N
     assert r.status_code == 422 and r.json()["error"]["field"] == "template_id"
 
 
+def test_the_step_log_has_every_polled_step_with_its_worker_and_node(srv: ServerProcess) -> None:
+    """serve --step-log: a template's capture run shows in the file as JSON lines, each a
+    StepEntry with the worker's index and node, its steps 0..n-1 in order."""
+    image = image_png(seed=13)
+    tid = hashlib.sha256(image).hexdigest()
+    r = srv.post("/v1/templates", files={"image": ("t.png", image, "image/png")},
+                 data={"prompt": "a coat", "seed": "4", "num_inference_steps": "2"})  # fmt: skip
+    assert r.status_code == 202, r.text
+    assert _wait_template(srv, tid)["status"] == "ready"
+    assert srv.step_log is not None
+    uid = f"template:{tid}"
+    deadline = time.monotonic() + 30
+    while True:  # the health poll appends what it read (every 0.2 s here)
+        text = srv.step_log.read_text() if srv.step_log.exists() else ""
+        rows = [json.loads(line) for line in text.splitlines()]
+        mine = [r for r in rows if any(m[0] == uid for m in r["members"])]
+        if len(mine) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert [dict(r["members"])[uid] for r in mine] == [0, 1]
+    assert all(r["worker"] == 0 and r["node"] == "local" and r["duration_ms"] > 0 for r in mine)
+    assert mine[1]["left"] == [uid]
+
+
 def test_template_without_steps_builds_at_the_servers_default_and_its_edits_hit(
     srv: ServerProcess,
 ) -> None:

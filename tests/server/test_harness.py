@@ -105,6 +105,7 @@ class ServerProcess:
 
     def __init__(self, *flags: str, faults: bool = True, wait: bool = True) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="igs-test-"))
+        self.step_log: Path | None = None  # where --step-log writes, when the caller passed it
         self.gate = self.dir / "gate"  # the "hold" fault holds the loop while this file exists
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -271,7 +272,10 @@ def shared_server(request: pytest.FixtureRequest) -> ServerProcess:
     """The session's main server (one worker, fault hooks armed), started on first use."""
     srv = _SHARED.get("main")
     if srv is None or srv.proc.poll() is not None:
+        step_log = Path(tempfile.mkdtemp(prefix="igs-steps-")) / "steps.jsonl"
         srv = ServerProcess(
+            "--step-log",
+            str(step_log),
             "--max-batch",
             "4",
             "--max-image-pixels",
@@ -283,6 +287,7 @@ def shared_server(request: pytest.FixtureRequest) -> ServerProcess:
             "--stall-s",
             "20",
         )
+        srv.step_log = step_log
         _SHARED["main"] = srv
         request.config.add_cleanup(lambda: _stop_shared(srv))
     return srv

@@ -1,0 +1,119 @@
+"""How a served loop's step time departs from the profile's price, fitted from a served run.
+
+The router and the simulator price a step with `Estimator.step_ms` (the worker's profile). A
+served loop differs from that price in ways the profile does not measure (measured on 2 x H200,
+docs/benchmarks/cluster-h200.md): a replayed CUDA graph runs at a fixed fraction of the price; the
+first step of a new batch composition captures (or warms up) a graph, a fixed extra; a step with
+a template's capture run in it runs eagerly; and a capture's first step registers the template's
+DRAM segment as pinned memory (cache/host_template.py TemplateWriter.pin), which costs time per
+byte. `StepPhysics` holds those four numbers, plus the per-request time outside the loop
+(pre/post-processing and HTTP), and `fit` reads them off a served run's step log
+(`instgenie serve --step-log`) and its load-test report. The simulator's workers take their step
+times from it (`step_ms`); the router keeps pricing with the profile alone, as it does when served.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from instgenie.scheduler.estimate import Estimator
+
+#: a capture run's uid prefix in the step log (worker/names.py CAPTURE_PREFIX; sim/ imports no worker
+#: module, tests/sim/test_physics.py checks they agree)
+CAPTURE_UID_PREFIX = "template:"
+
+
+@dataclass(frozen=True)
+class StepPhysics:
+    #: a step replayed from a CUDA graph takes this times its price
+    replay_scale: float = 1.0
+    #: the first step of a batch composition (a graph capture or warm-up) takes this much more, ms
+    new_composition_ms: float = 0.0
+    #: a step with a capture run in it (always eager) takes this times its price (captures
+    #: priced as full-path requests)
+    eager_scale: float = 1.0
+    #: a capture's first step takes this much more per GB (1e9 bytes) of the template's cache
+    #: (its DRAM segment is pinned), ms
+    pin_ms_per_gb: float = 0.0
+    #: each request's time outside the loop (pre/post-processing, HTTP), ms
+    outside_ms: float = 0.0
+    #: what it was fitted from (free text: the run, its device)
+    source: str = ""
+
+    def step_ms(self, price_ms: float, new_composition: bool, capture_bytes_first: int,
+                captures: int) -> float:  # fmt: skip
+        """One step of a batch priced `price_ms`: `captures` capture runs in it, the ones at
+        their first step holding `capture_bytes_first` bytes of cache between them."""
+        if captures:
+            return self.eager_scale * price_ms + self.pin_ms_per_gb * capture_bytes_first / 1e9
+        return self.replay_scale * price_ms + (self.new_composition_ms if new_composition else 0.0)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepPhysics:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def fit(
+    steps: Iterable[dict],
+    est: Estimator,
+    pixels: int,
+    num_steps: int,
+    mask_ratio: float,
+    template_bytes: int,
+    outside_ms: float = 0.0,
+    source: str = "",
+) -> StepPhysics:
+    """StepPhysics from a served run's step log (`serve --step-log` lines). Every cache-reading
+    member is priced at the run's mean `mask_ratio` from DRAM, every other member (a full-path
+    edit, a capture run) as the full path. Each number is a median over the steps of its kind,
+    so a few odd steps (a process's first, compiling) do not move it."""
+    guidance = None
+    strides = sorted(est.strides)
+    masked = est.work(pixels, num_steps, guidance, {s: mask_ratio for s in strides}, "dram")
+    full = est.work(pixels, num_steps, guidance, None, None)
+    replay, composed, eager, pin = [], [], [], []
+    rows = [dict(r) for r in steps]
+    for r in rows:
+        members = r["members"]
+        captures = [s for u, s in members if u.startswith(CAPTURE_UID_PREFIX)]
+        reading = sum(r["tiers"].values())
+        price = est.step_ms([masked] * reading + [full] * (len(members) - reading))
+        r["_price"], r["_captures"] = price, captures
+        if captures:
+            (pin if 0 in captures else eager).append(r)
+        elif r["graph"] == "replay":
+            replay.append(r["duration_ms"] / price)
+    replay_scale = statistics.median(replay) if replay else 1.0
+    eager_scale = statistics.median(r["duration_ms"] / r["_price"] for r in eager) if eager else 1.0
+    for r in rows:
+        if not r["_captures"] and r["graph"] in ("capture", "warmup"):
+            composed.append(r["duration_ms"] - replay_scale * r["_price"])
+    gb = template_bytes / 1e9
+    pins = [(r["duration_ms"] - eager_scale * r["_price"]) / (gb * r["_captures"].count(0))
+            for r in pin]  # fmt: skip
+    return StepPhysics(
+        replay_scale=replay_scale,
+        new_composition_ms=max(0.0, statistics.median(composed)) if composed else 0.0,
+        eager_scale=eager_scale,
+        pin_ms_per_gb=max(0.0, statistics.median(pins)) if pins else 0.0,
+        outside_ms=outside_ms,
+        source=source,
+    )
+
+
+def outside_ms(rows: Iterable[dict]) -> float:
+    """Median time of an answered request outside the loop's modelled work, ms: pre- plus
+    post-processing plus what the client waited beyond the server's own total (HTTP), over a
+    load-test report's rows (`instgenie loadtest --out`, a phase's "rows")."""
+    vals = [t["preprocess_ms"] + t["postprocess_ms"] + r["latency_ms"] - t["server_total_ms"]
+            for r in rows if r["status"] == 200 and (t := r.get("timings"))]  # fmt: skip
+    return statistics.median(vals) if vals else 0.0

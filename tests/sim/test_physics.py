@@ -1,0 +1,115 @@
+"""The simulator's served-loop step physics (sim/physics.py) and the tiers' capture reservation:
+a step log made with known physics is fitted back to them; a simulated step takes them; a
+capture reserves DRAM at its start, never evicts an entry in use, and records nothing (and pays no
+pinning) without room."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from instgenie.scheduler.estimate import Estimator
+from instgenie.scheduler.routing import CacheAware
+from instgenie.sim import physics, workload
+from instgenie.sim.catalogue import Catalogue, cache_bytes
+from instgenie.sim.engine import Engine
+from instgenie.sim.models import profile_spec
+from instgenie.sim.physics import StepPhysics
+from instgenie.sim.scenario import Cluster, Scenario
+from instgenie.sim.tiers import LRU, HostTiers
+
+ROOT = Path(__file__).resolve().parents[2]
+SDXL = profile_spec(ROOT / "profiles" / "sdxl-inpaint-full-h200.json")
+EST = Estimator(SDXL)
+PX = 1024 * 1024
+NB = cache_bytes(SDXL, PX, 20, 2)
+TRUE = StepPhysics(replay_scale=0.6, new_composition_ms=110.0, eager_scale=1.1,
+                   pin_ms_per_gb=600.0)  # fmt: skip
+
+
+def _row(graph: str, reading: int, full: int, captures: list[int]) -> dict:
+    """One served step as `serve --step-log` writes it, timed by TRUE at ratio 0.2."""
+    ratios = {s: 0.2 for s in EST.strides}
+    masked, fullw = EST.work(PX, 20, None, ratios, "dram"), EST.work(PX, 20, None, None, None)
+    price = EST.step_ms([masked] * reading + [fullw] * (full + len(captures)))
+    first = NB * captures.count(0)
+    ms = TRUE.step_ms(price, graph != "replay", first, len(captures))
+    members = ([(f"{i}:edit", 3) for i in range(reading + full)]
+               + [(f"template:{i:064x}", s) for i, s in enumerate(captures)])  # fmt: skip
+    return {"graph": graph, "members": members, "tiers": {"dram": reading} if reading else {},
+            "duration_ms": ms}  # fmt: skip
+
+
+def test_fit_recovers_the_physics_a_step_log_was_made_with() -> None:
+    rows = (
+        [_row("replay", n, f, []) for n in (1, 2, 3) for f in (0, 1)]
+        + [_row("capture", n, 0, []) for n in (1, 2, 4)]
+        + [_row("warmup", 1, 1, [])]
+        + [_row("eager", n, 1, [s]) for n in (0, 1, 2) for s in (3, 7)]
+        + [_row("eager", 1, 0, [0]), _row("eager", 0, 1, [0, 5]), _row("eager", 2, 0, [0])]
+    )  # fmt: skip
+    got = physics.fit(rows, EST, PX, 20, 0.2, NB, outside_ms=480.0, source="synthetic")
+    for name in ("replay_scale", "new_composition_ms", "eager_scale", "pin_ms_per_gb"):
+        assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=1e-9), name
+    assert got.outside_ms == 480.0 and got.source == "synthetic"
+
+
+def test_physics_round_trips_through_a_file(tmp_path: Path) -> None:
+    TRUE.save(tmp_path / "p.json")
+    assert StepPhysics.load(tmp_path / "p.json") == TRUE
+
+
+def test_outside_ms_is_the_median_over_answered_rows() -> None:
+    def row(status: int, extra: float) -> dict:
+        t = {"preprocess_ms": 100.0, "postprocess_ms": 300.0, "server_total_ms": 1000.0}
+        return {"status": status, "latency_ms": 1000.0 + extra, "timings": t}
+
+    rows = [row(200, 10.0), row(200, 20.0), row(200, 90.0), row(503, 5000.0)]
+    assert physics.outside_ms(rows) == 420.0
+
+
+def test_a_simulated_unloaded_edit_takes_the_physics_step_times() -> None:
+    """One masked edit alone: its first step is a new composition, the other 19 replay."""
+    cat = Catalogue.zipf(2, 1.0, NB, 0)
+    ratios = tuple((s, 0.2) for s in EST.strides)
+    sc = Scenario(SDXL, Cluster(1, 1, 4 * NB, 0), cat, [workload.Arrival(0.0, 0, 0.2, ratios)])
+    (plain,) = Engine(sc, CacheAware()).run().requests
+    (job,) = Engine(dataclasses.replace(sc, physics=TRUE), CacheAware()).run().requests
+    step = EST.step_ms([job.work])
+    stages = EST.stage_ms("encode", PX) + EST.stage_ms("decode", PX)
+    assert plain.finish_ms == pytest.approx(stages + 20 * step, rel=1e-9)
+    want = stages + 20 * TRUE.replay_scale * step + TRUE.new_composition_ms
+    assert job.finish_ms == pytest.approx(want, rel=1e-9)
+
+
+def test_a_capture_reserves_dram_at_its_start_and_never_evicts_an_entry_in_use() -> None:
+    t = HostTiers(dram_bytes=2 * NB, disk_bytes=0)
+    t.commit("a", NB)
+    t.commit("b", NB)
+    assert t.read("a", NB) == "dram" and t.read("b", NB) == "dram"  # both in use
+    assert not t.reserve("c", NB) and t.no_room == 1  # no room: nothing evicted
+    assert t.tier("a") == t.tier("b") == "dram"
+    t.release("a")
+    assert t.reserve("c", NB)  # a (not in use) is evicted at the capture's start
+    assert t.tier("a") is None and t.tier("c") is None  # c readable only once committed
+    assert not t.reserve("d", NB)  # b in use, c reserved
+    t.commit("c", NB)
+    assert t.tier("c") == "dram" and t.dram.used == 2 * NB
+
+
+def test_lru_make_room_skips_entries_in_use() -> None:
+    lru = LRU(3)
+    for k in "xyz":
+        lru.put(k, 1)
+    assert lru.make_room(2, Counter({"x": 1})) == [("y", 1), ("z", 1)]
+    assert list(lru.entries) == ["x"] and lru.used == 3
+    assert lru.make_room(1, Counter({"x": 1})) is None and lru.used == 3
+
+
+def test_the_capture_uid_prefix_is_the_workers() -> None:
+    from instgenie.worker.names import CAPTURE_PREFIX
+
+    assert physics.CAPTURE_UID_PREFIX == CAPTURE_PREFIX
