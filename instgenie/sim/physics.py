@@ -24,8 +24,8 @@ from pathlib import Path
 
 from instgenie.scheduler.estimate import Estimator
 
-#: a capture run's uid prefix in the step log (worker/names.py CAPTURE_PREFIX; sim/ imports no worker
-#: module, tests/sim/test_physics.py checks they agree)
+#: a capture run's uid prefix in the step log (worker/names.py CAPTURE_PREFIX; sim/ imports no
+#: worker module, tests/sim/test_physics.py checks they agree)
 CAPTURE_UID_PREFIX = "template:"
 
 
