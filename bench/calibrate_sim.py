@@ -38,7 +38,7 @@ def main() -> int:
     fitted = physics.fit(
         (json.loads(x) for x in lines if x.strip()), Estimator(spec), pixels, args.num_steps,
         phase["mask_ratio_requested_mean"], nbytes, physics.outside_ms(phase["rows"]),
-        args.source or f"{args.steps} ({len(lines)} steps)",
+        args.source or f"{args.steps} ({len(lines)} steps)", physics.post_ms(phase["rows"]),
     )  # fmt: skip
     fitted.save(args.out)
     print(json.dumps(dataclasses.asdict(fitted), indent=1))

@@ -108,6 +108,8 @@ class Engine:
             self.now, _, kind, obj = heapq.heappop(self._heap)
             if kind == "arrive":
                 self._arrive(obj)
+            elif kind == "answer":
+                self._answered(*obj)
             else:
                 self._resume(obj)
         captures = sum(h.tiers.captures for h in self.hosts)
@@ -119,14 +121,23 @@ class Engine:
         d = next(self._loops[w.index])
         if w.finished:
             done, w.finished = w.finished, []
+            post = self.sc.physics.post_ms if self.sc.physics else 0.0
             for j in done:
                 j.finish_ms = self.now
-                del w.held[j.uid]
-            self._pump()
+                if post > 0:  # in flight on w until post-processed and answered
+                    self._push(self.now + post, "answer", (w, j))
+                else:
+                    del w.held[j.uid]
+            if not post:
+                self._pump()
         if d is None:
             w.blocked = True
         else:
             self._push(self.now + d, "resume", w)
+
+    def _answered(self, w: SimWorker, job: Job) -> None:
+        del w.held[job.uid]
+        self._pump()
 
     # ---- the dispatcher -------------------------------------------------------------------------
     def _arrive(self, job: Job) -> None:
@@ -154,7 +165,10 @@ class Engine:
         job.dispatched_ms, job.worker = self.now, w.index
         w.held[job.uid] = job
         host, t = w.host, job.template
-        if t is not None and host.tiers.tier(t) is None and t not in host.building:
+        # the server sends the capture ahead of the edit where it knows the node lacks the
+        # cache (the residency last reported); where its view is stale, the edit finds the
+        # cache gone on arrival and runs the full path without a capture
+        if t is not None and t not in host.residency()[1] and t not in host.building:
             host.building[t] = w.index
             job.triggered_capture = True
             self._deliver(w, Job(-1 - job.uid, t, None, job.pixels, job.steps))

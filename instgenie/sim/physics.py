@@ -43,6 +43,9 @@ class StepPhysics:
     pin_ms_per_gb: float = 0.0
     #: each request's time outside the loop (pre/post-processing, HTTP), ms
     outside_ms: float = 0.0
+    #: of it, after the loop is done with a request (post-processing, HTTP): the server counts
+    #: the request in flight on its worker until then, ms
+    post_ms: float = 0.0
     #: what it was fitted from (free text: the run, its device)
     source: str = ""
 
@@ -71,6 +74,7 @@ def fit(
     template_bytes: int,
     outside_ms: float = 0.0,
     source: str = "",
+    post_ms: float = 0.0,
 ) -> StepPhysics:
     """StepPhysics from a served run's step log (`serve --step-log` lines). Every cache-reading
     member is priced at the run's mean `mask_ratio` from DRAM, every other member (a full-path
@@ -106,8 +110,17 @@ def fit(
         eager_scale=eager_scale,
         pin_ms_per_gb=max(0.0, statistics.median(pins)) if pins else 0.0,
         outside_ms=outside_ms,
+        post_ms=post_ms,
         source=source,
     )
+
+
+def post_ms(rows: Iterable[dict]) -> float:
+    """Median time of an answered request after the loop is done with it, ms: post-processing
+    plus what the client waited beyond the server's own total (HTTP)."""
+    vals = [t["postprocess_ms"] + r["latency_ms"] - t["server_total_ms"]
+            for r in rows if r["status"] == 200 and (t := r.get("timings"))]  # fmt: skip
+    return statistics.median(vals) if vals else 0.0
 
 
 def outside_ms(rows: Iterable[dict]) -> float:

@@ -125,7 +125,11 @@ class HostTiers:
         return tier
 
     def release(self, template: str) -> None:
-        """An edit that read `template`'s cache (read() gave a tier) is done with it."""
+        """An edit that read `template`'s cache (read() gave a tier) is done with it: the entry
+        counts as used now (cache/index.py stamps an entry at acquire, release and commit)."""
+        for lru in (self.dram, self.disk):
+            if template in lru:
+                lru.touch(template)
         if self.in_use.get(template, 0) > 1:
             self.in_use[template] -= 1
         else:

@@ -70,9 +70,21 @@ class Host:
     building: dict[str, int] = field(default_factory=dict)
     version: int = 0  # bumped when its tiers change (views are rebuilt)
     _snapshot: tuple[int, frozenset, dict] | None = None
+    #: the residency its loops last reported (None: none has yet; the tiers as they are)
+    reported: tuple[frozenset[str], dict[str, str]] | None = None
 
     def residency(self) -> tuple[frozenset[str], dict[str, str]]:
-        """(templates ready, template -> tier) for its workers' views."""
+        """(templates ready, template -> tier) as the server knows them: as one of the node's
+        loops last reported (worker/loop.py reports its residency between steps, so a long
+        step - a capture pinning its segment - leaves the server's view stale meanwhile)."""
+        return self.reported if self.reported is not None else self.live()
+
+    def report(self) -> None:
+        """A loop of this node reports the residency now."""
+        self.reported = self.live()
+
+    def live(self) -> tuple[frozenset[str], dict[str, str]]:
+        """(templates ready, template -> tier) in its tiers now."""
         if self._snapshot is None or self._snapshot[0] != self.version:
             t = self.tiers
             tiers = {k: "disk" for k in t.disk.entries}
@@ -148,6 +160,7 @@ class SimWorker:
                     self._committed(j)
                 elif j.tier is not None:
                     self.host.tiers.release(j.template)  # type: ignore[arg-type]
+            self.host.report()  # the step's LoopSteps carries the residency
             if edits:  # one batched decode (priced per request, as the router does)
                 yield self._spent(sum(est.stage_ms("decode", j.pixels) for j in edits))
                 self.finished += edits
