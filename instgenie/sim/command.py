@@ -26,6 +26,7 @@ from instgenie.scheduler.estimate import Estimator
 from instgenie.sim import workload
 from instgenie.sim.catalogue import Catalogue, cache_bytes
 from instgenie.sim.models import profile_spec
+from instgenie.sim.physics import StepPhysics
 from instgenie.sim.report import capacity_rps, summarize, unloaded_ms
 from instgenie.sim.scenario import Cluster, Scenario, simulate
 
@@ -75,6 +76,9 @@ def add_simulate_parser(sub) -> None:  # noqa: ANN001 - argparse subparsers
     a("--policies", nargs="+", default=list(POLICIES))
     a("--no-ideal", action="store_true", help="skip the ideal fleet")
     a("--slo-factor", type=float, default=5.0, help="SLO = this x the unloaded edit latency")
+    a("--physics", type=Path, default=None,
+      help="a served loop's step times (bench/calibrate_sim.py's JSON); latencies then include "
+      "its time outside the loop. Default: each step takes the profile's price")  # fmt: skip
     a("--seed", type=int, default=0)
     a("--out", type=Path, default=None, help="directory for report.json and latency.png")
     p.set_defaults(func=run)
@@ -99,8 +103,9 @@ def build(args: argparse.Namespace) -> tuple[Scenario, dict]:
     rng = np.random.default_rng(args.seed)
     info: dict = {"template_bytes": nbytes, "catalogue_bytes": total, "dram_bytes": dram,
                   "disk_bytes": disk}  # fmt: skip
+    physics = StepPhysics.load(args.physics) if args.physics is not None else None
     base = Scenario(spec, cluster, cat, [], args.size, args.size, args.steps,
-                    warmup_ms=1e3 * args.warmup_s)  # fmt: skip
+                    warmup_ms=1e3 * args.warmup_s, physics=physics)  # fmt: skip
     # capacity from the same mask distribution (its own stream: the workload is the same
     # whether or not it is measured)
     cap_rng = np.random.default_rng([args.seed, 2])
@@ -108,7 +113,8 @@ def build(args: argparse.Namespace) -> tuple[Scenario, dict]:
                                      est.strides, cap_rng)  # fmt: skip
     workers = args.hosts * args.gpus
     info["capacity_rps"] = capacity_rps(Scenario(spec, cluster, cat, cap_arr, args.size,
-                                                 args.size, args.steps), workers)  # fmt: skip
+                                                 args.size, args.steps, physics=physics),
+                                        workers)  # fmt: skip
     rate = args.rate if args.rate is not None else None
     if args.load is not None:
         rate = args.load * info["capacity_rps"]

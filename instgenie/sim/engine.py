@@ -62,6 +62,8 @@ class Engine:
                 w.ideal_ready = ready
         else:
             self._place_initial()
+            for h in self.hosts:
+                h.report()  # the server knows where registration put each template
         self.now = 0.0
         self._heap: list = []
         self._seq = itertools.count()
@@ -168,7 +170,8 @@ class Engine:
         # the server sends the capture ahead of the edit where it knows the node lacks the
         # cache (the residency last reported); where its view is stale, the edit finds the
         # cache gone on arrival and runs the full path without a capture
-        if t is not None and t not in host.residency()[1] and t not in host.building:
+        held = host.tiers.ideal or (t is not None and t in host.residency()[1])
+        if t is not None and not held and t not in host.building:
             host.building[t] = w.index
             job.triggered_capture = True
             self._deliver(w, Job(-1 - job.uid, t, None, job.pixels, job.steps))

@@ -34,7 +34,9 @@ def unloaded_ms(scenario: Scenario, ratio: float, tier: str | None = "dram") -> 
 def summarize(result: Result, scenario: Scenario, slo_ms: float) -> dict:
     measured = [j for j in result.requests if j.arrival_ms >= scenario.warmup_ms]
     ok = [j for j in measured if j.finish_ms >= 0]
-    lat = np.array([j.finish_ms - j.arrival_ms for j in ok])
+    # a served loop's physics also has each request's time outside the loop (pre/post, HTTP)
+    outside = scenario.physics.outside_ms if scenario.physics is not None else 0.0
+    lat = np.array([j.finish_ms - j.arrival_ms + outside for j in ok])
     first = min((j.arrival_ms for j in measured), default=0.0)
     last = max((j.finish_ms for j in ok), default=first)
     span_s = (last - first) / 1e3

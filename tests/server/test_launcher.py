@@ -4,6 +4,7 @@ segment); a signal during start-up and a busy port end cleanly (RELIABILITY.md i
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -13,6 +14,7 @@ import pytest
 import requests
 
 from tests.server.test_harness import (
+    FAULT_PROMPTS,
     ServerProcess,
     decoded,
     descendants,
@@ -74,6 +76,50 @@ def test_mask_aware_routing_decodes_masks_in_the_server(srv: ServerProcess) -> N
     r = srv.post("/v1/edits", files=files, data={"prompt": "x"})
     assert r.status_code == 422 and r.json()["error"]["field"] == "mask", r.text
     assert "truncated" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("retry", [True, False])
+def test_an_edit_whose_worker_dies_runs_again_on_the_other_unless_retry_is_false(
+    srv: ServerProcess, retry: bool
+) -> None:
+    """The worker holding an edit is killed mid-denoise: with retry (the default) the edit runs
+    once more on the other worker and answers 200, retried, with the image a plain run of the
+    same request makes (seeded: deterministic); with "retry": false it answers 503 worker_died."""
+    data = {"prompt": FAULT_PROMPTS["hold"], "num_inference_steps": "3", "seed": "7",
+            "retry": "true" if retry else "false"}  # fmt: skip
+    files = edit_files(image_png(seed=7))
+    srv.gate.touch()  # the "hold" prompt holds the denoise loop while the gate exists
+    out: dict = {}
+    try:
+        thread = threading.Thread(target=lambda: out.update(r=srv.post("/v1/edits", files=files,
+                                                                         data=data)))  # fmt: skip
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not (busy := [w for w in srv.health()[1]["workers"] if w["in_flight"]]):
+            assert time.monotonic() < deadline, srv.health()
+            time.sleep(0.05)
+        (holder,) = busy
+        os.kill(holder["pid"], signal.SIGKILL)
+        time.sleep(1.0)  # the death is seen and the retry sent while the gate still holds it
+    finally:
+        srv.gate.unlink(missing_ok=True)
+    thread.join(120)
+    r = out["r"]
+    if retry:
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["retried"] is True and body["worker"] != holder["index"]
+        again = srv.post("/v1/edits", files=files, data=data)
+        assert again.status_code == 200 and again.json()["retried"] is False
+        assert decoded(body["image"]).tobytes() == decoded(again.json()["image"]).tobytes()
+    else:
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "worker_died"
+    srv.wait_health(200, why="the killed worker restarts")
+    deadline = time.monotonic() + 120
+    while not all(w["healthy"] for w in srv.health()[1]["workers"]):
+        assert time.monotonic() < deadline, srv.health()
+        time.sleep(0.2)
 
 
 def test_sigterm_drains_then_exits_cleanly(srv: ServerProcess) -> None:

@@ -6,9 +6,11 @@ pinning) without room."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from instgenie.scheduler.estimate import Estimator
@@ -113,3 +115,58 @@ def test_the_capture_uid_prefix_is_the_workers() -> None:
     from instgenie.worker.names import CAPTURE_PREFIX
 
     assert physics.CAPTURE_UID_PREFIX == CAPTURE_PREFIX
+
+
+def test_simulate_with_physics_is_slower_than_the_profile_and_adds_the_outside_time(
+    tmp_path: Path,
+) -> None:
+    """`instgenie simulate --physics`: the same arrivals, steps at the served loop's times (here
+    slower than the profile's prices) and each latency with the time outside the loop."""
+    from instgenie.cli import main
+
+    slow = StepPhysics(replay_scale=2.0, new_composition_ms=50.0, eager_scale=2.0,
+                       pin_ms_per_gb=100.0, outside_ms=400.0, post_ms=300.0)  # fmt: skip
+    slow.save(tmp_path / "physics.json")
+    p50 = {}
+    for name, extra in (("plain", []), ("physics", ["--physics", str(tmp_path / "physics.json")])):
+        out = tmp_path / name
+        args = [
+            "simulate",
+            "--hosts",
+            "2",
+            "--gpus",
+            "1",
+            "--templates",
+            "6",
+            "--rate",
+            "0.5",
+            "--requests",
+            "12",
+            "--policies",
+            "cache-aware",
+            "--no-ideal",
+            "--out",
+            str(out),
+        ]
+        assert main(args + extra) == 0  # fmt: skip
+        report = json.loads((out / "report.json").read_text())
+        p50[name] = report["results"]["cache-aware"]["latency_ms"]["p50"]
+    # steps at twice their price (encode and decode unscaled), plus 400 ms outside the loop
+    assert p50["physics"] > 1.5 * p50["plain"] + 400.0
+
+
+def test_the_servers_view_is_stale_through_a_long_step() -> None:
+    """One node whose DRAM holds one template (t0, resident). An edit of t1 triggers its capture,
+    which evicts t0 when it starts and then pins for seconds in its first step. An edit of t0
+    sent meanwhile: the server still sees t0 resident (the loop reports between steps), so it
+    sends no capture; the edit finds t0 gone and runs the full path. With no pinning stall the
+    step ends (and reports) before the second edit, which then triggers t0's capture."""
+    ratios = tuple((s, 0.2) for s in EST.strides)
+    cat = Catalogue(("t0", "t1"), np.array([0.5, 0.5]), NB)
+    arrivals = [workload.Arrival(0.0, 1, 0.2, ratios), workload.Arrival(3000.0, 0, 0.2, ratios)]
+    base = Scenario(SDXL, Cluster(1, 1, NB, 0), cat, arrivals, initial={"t0": [0]})
+    for pin, stale in ((1000.0, True), (0.0, False)):
+        sc = dataclasses.replace(base, physics=dataclasses.replace(TRUE, pin_ms_per_gb=pin))
+        first, second = Engine(sc, CacheAware()).run().requests
+        assert first.tier is None and first.triggered_capture
+        assert second.tier is None and second.triggered_capture is not stale
