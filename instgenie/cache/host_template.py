@@ -47,7 +47,11 @@ class TemplateWriter:
         capture, before its first block: about 0.1 s per GB (every page is faulted in and
         locked), against the ≈ 0.4 s per SDXL step a pageable copy costs."""
         if not self.pinned and not self._done and self.seg.data is not None:
-            self.pinned = pin(self.seg.data)
+            try:
+                self.pinned = pin(self.seg.data)
+            except RuntimeError as exc:  # e.g. the locked-memory limit: copy pageable instead
+                log.warning("capture %s: pinning its DRAM segment failed (%s); copying it "
+                            "without pinning", self.key[:12], exc)  # fmt: skip
         return self.pinned
 
     def _copy(self, view: torch.Tensor, t: torch.Tensor, what: str) -> None:
@@ -105,7 +109,14 @@ class TemplateWriter:
         # keep the pinned mapping as this process's mapping of the entry (DramTier.attach
         # shares it; its on_unmap hook unpins it before it is closed)
         self.seg.pinned = {}
-        self.store.dram.commit(self.seg, acquire=True)
+        try:
+            self.store.dram.commit(self.seg, acquire=True)
+        except BaseException:  # not adopted (the entry vanished): unpin before it is unmapped
+            self.seg.pinned = None
+            if self.seg.data is not None:
+                unpin(self.seg.data)
+            self.seg.close()
+            raise
         self.store.dram.release(self.seg)
 
     def abort(self) -> None:

@@ -12,7 +12,7 @@ import uuid
 import pytest
 import torch
 
-from instgenie.cache import host_store
+from instgenie.cache import host_store, host_template
 from instgenie.cache.host_store import HostActivationStore
 from instgenie.cache.quant import FP8
 from instgenie.cache.shm_segment import cleanup
@@ -304,3 +304,79 @@ def test_a_capture_with_no_room_records_nothing_and_the_batch_goes_on(tmp_path) 
         finally:
             tiered.close()
             cleanup(ns)
+
+
+def _tiny_layout():
+    from instgenie.cache.layout import TemplateLayout
+
+    return TemplateLayout(num_steps=2, rows=1, dtype="float32", block_shapes=((16, 8), (16, 8)),
+                          latent_shape=(1, 4, 4, 4), latent_dtype="float32")  # fmt: skip
+
+
+def _fill(w) -> None:
+    for s in range(2):
+        for b in range(2):
+            w.put_block(s, b, torch.randn(1, 16, 8))
+        w.put_latents(s, torch.randn(1, 4, 4, 4))
+
+
+def test_a_pinned_capture_hands_its_mapping_to_readers_and_unpins_it_once(
+    tmp_path, monkeypatch
+) -> None:
+    """A capture that pinned its segment (TemplateWriter.pin, CUDA) keeps that mapping as the
+    process's mapping of the ready entry: a reader pins nothing more, and the pages are unpinned
+    once, when the entry goes. An aborted pinned capture unpins at once. Pinning bookkeeping only
+    (pin/unpin stand in for cudaHostRegister/Unregister on this CPU machine)."""
+    ns = uuid.uuid4().hex[:10]
+    hs = _host_store(tmp_path, ns)
+    writer_pins, reader_pins, unpins = [], [], []
+    monkeypatch.setattr(host_template, "pin", lambda t: writer_pins.append(t.data_ptr()) or True)
+    monkeypatch.setattr(host_template, "unpin", lambda t: unpins.append(t.data_ptr()) or True)
+    monkeypatch.setattr(host_store, "pin", lambda t: reader_pins.append(t.data_ptr()) or True)
+    monkeypatch.setattr(host_store, "unpin", lambda t: unpins.append(t.data_ptr()) or True)
+    hs.pin_memory = True
+    key, lost = "ab" * 32, "cd" * 32
+    try:
+        w = hs.tiered.writer(key, _tiny_layout())
+        assert w.pin() and w.pin()  # once: the second call registers nothing
+        _fill(w)
+        w.commit()
+        assert len(writer_pins) == 1
+        seg = hs.tiered.dram._mapped[key]
+        assert seg.pinned == {} and seg.users == 0 and seg.data is not None
+        h = hs.open(key)  # the capture's mapping, already pinned
+        assert h._host.segment is seg and reader_pins == []
+        h.close()
+        hs.tiered.delete(key)
+        assert unpins == writer_pins and seg.data is None
+
+        w = hs.tiered.writer(lost, _tiny_layout())
+        w.pin()
+        w.put_block(0, 0, torch.randn(1, 16, 8))
+        w.abort()
+        assert len(unpins) == 2 and hs.tiered.status(lost) == "absent"
+    finally:
+        hs.tiered.close()
+        cleanup(ns)
+
+
+def test_a_capture_whose_pin_fails_copies_without_it(tmp_path, monkeypatch, caplog) -> None:
+    """cudaHostRegister can fail (the locked-memory limit): the capture goes on with pageable
+    copies and commits a readable entry; the failure is logged, never the step's."""
+    ns, key = uuid.uuid4().hex[:10], "ef" * 32
+    hs = _host_store(tmp_path, ns)
+
+    def fail(t: torch.Tensor) -> bool:
+        raise RuntimeError("cudaHostRegister failed with CUDA error 2")
+
+    monkeypatch.setattr(host_template, "pin", fail)
+    try:
+        w = hs.tiered.writer(key, _tiny_layout())
+        assert not w.pin() and "pinning its DRAM segment failed" in caplog.text
+        _fill(w)
+        w.commit()
+        assert hs.tiered.status(key) == "dram"  # ready in DRAM
+        assert key not in hs.tiered.dram._mapped  # unpinned mappings are not kept
+    finally:
+        hs.tiered.close()
+        cleanup(ns)
