@@ -1,5 +1,5 @@
 """Command line: `instgenie edit | bench-step | profile | worker | keys | serve | client |
-loadtest | simulate`."""
+loadtest | simulate | dataset`."""
 
 from __future__ import annotations
 
@@ -469,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     from instgenie.sim.command import add_simulate_parser  # (light: no torch)
 
     add_simulate_parser(sub)
+    from instgenie.dataset.command import add_dataset_parser  # (light: no torch)
+
+    add_dataset_parser(sub)
     return parser
 
 

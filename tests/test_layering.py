@@ -23,6 +23,8 @@ FORBIDDEN = {
     "engine": ("instgenie.worker", "instgenie.server"),
     # the simulator runs the scheduler's code, never a model or a process
     "sim": _PURE,
+    # the dataset is drawn with numpy and PIL: generating it needs no model stack
+    "dataset": (*_PURE, "instgenie.scheduler", "instgenie.sim", "triton", "transformers"),
 }
 
 
