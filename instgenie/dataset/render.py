@@ -163,13 +163,16 @@ def _fill_garment(s: Scene, S: int, img: Image.Image, lab: Image.Image, shape: I
     p = max(4, int(s.pattern_scale * S))
     cloth = Image.new("RGB", (S, S), base)
     c = ImageDraw.Draw(cloth)
+    # the accent always covers well under half the garment, so that its colour is the base's
+    # (a white shirt with black stripes is not a black one with white stripes)
     if s.pattern == "striped":
         for y0 in range(0, S, p):
-            c.rectangle([0, y0, S, y0 + p // 2 - 1], fill=accent)
-    elif s.pattern == "checked":
-        for y0 in range(0, S, p):
-            for x0 in range((y0 // p) % 2 * p, S, 2 * p):
-                c.rectangle([x0, y0, x0 + p - 1, y0 + p - 1], fill=accent)
+            c.rectangle([0, y0, S, y0 + max(1, p // 3) - 1], fill=accent)
+    elif s.pattern == "checked":  # a grid of accent lines (windowpane)
+        w = max(1, p // 4)
+        for t0 in range(0, S, p):
+            c.rectangle([0, t0, S, t0 + w - 1], fill=accent)
+            c.rectangle([t0, 0, t0 + w - 1, S], fill=accent)
     elif s.pattern == "dotted":
         r = max(1, p // 5)
         for y0 in range(p // 2, S, p):

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from instgenie.cli import main
-from instgenie.dataset import masks, scenes, vocab
+from instgenie.dataset import classifier, masks, scenes, vocab
 from instgenie.dataset.render import GARMENT, OBJECT, REGIONS, render
 from instgenie.dataset.write import edit_target, entry, scene_seed
 
@@ -128,3 +128,46 @@ def test_the_dataset_command_writes_images_masks_and_metadata(tmp_path: Path) ->
     assert first == rows[:3]
     assert main(["dataset", "--out", str(out), "--count", "2", "--size", "64"]) == 2  # exists
     assert main(["dataset", "--out", str(out), "--count", "0"]) == 2
+
+
+# ---- the region classifier -------------------------------------------------------------------
+def test_the_committed_classifier_reads_held_out_renders() -> None:
+    """instgenie/dataset/classifier.json on fresh renders of held-out colour x pattern
+    combinations (measured at commit: colour 100 %, pattern 97 %, kind 98 % on 400; bounds
+    below leave room for a 60-scene draw)."""
+    clf = classifier.RegionClassifier.load(classifier.DEFAULT_WEIGHTS)
+    scores = classifier.accuracy(clf, 60, 128, 11, "eval")
+    assert scores["colour"] >= 0.95 and scores["pattern"] >= 0.85 and scores["garment"] >= 0.85
+
+
+def test_the_classifier_reads_the_region_not_the_scene() -> None:
+    """The same scene with its garment re-coloured: the prediction follows the pixels of the
+    region; and a region outside the garment (the wall) is not read as the garment's colour."""
+    clf = classifier.RegionClassifier.load(classifier.DEFAULT_WEIGHTS)
+    base = _scene(21, pattern="solid", garment="long-sleeved shirt")
+    for colour in ("red", "green", "blue", "yellow"):
+        image, labels = render(dataclasses.replace(base, colour=colour), 128)
+        assert clf.predict(image, labels == GARMENT)["colour"] == colour
+    wall = np.zeros_like(labels, dtype=bool)
+    wall[5:40, 5:40] = True
+    red, labels = render(dataclasses.replace(base, colour="red", wall="light blue"), 128)
+    assert clf.predict(red, wall & (labels == 0))["colour"] != "red"
+    with pytest.raises(ValueError, match="non-empty"):
+        clf.predict(red, np.zeros_like(wall))
+
+
+def test_training_a_classifier_and_its_weights_round_trip(tmp_path: Path) -> None:
+    out = tmp_path / "clf.json"
+    args = ["train-classifier", "--out", str(out), "--count", "300", "--size", "96",
+            "--test-count", "40"]  # fmt: skip
+    assert main(args) == 0
+    clf = classifier.RegionClassifier.load(out)
+    assert classifier.accuracy(clf, 60, 96, 5)["colour"] >= 0.8
+    data = json.loads(out.read_text())
+    again = classifier.RegionClassifier.load(out)
+    again.save(tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text()) == data
+    data["features_version"] = 0
+    out.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="train it again"):
+        classifier.RegionClassifier.load(out)
