@@ -24,6 +24,8 @@ ray = pytest.importorskip("ray")
 import zmq  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from instgenie.cache.budgets import cache_namespace  # noqa: E402
+from instgenie.cache.shm_segment import cleanup  # noqa: E402
 from instgenie.curve import CurveKeys  # noqa: E402
 from instgenie.messages import GetStats  # noqa: E402
 from instgenie.wire import encode  # noqa: E402
@@ -75,6 +77,10 @@ class Nodes:
 
     def shutdown(self) -> None:
         self.cluster.shutdown()
+        # each node's DRAM tier outlives its workers by design (a restart reads it again); a
+        # node removed mid-request left its entries: drop every node's, with its cache root
+        for name in ("a", "b", "c"):
+            cleanup(cache_namespace(str(self.dir / name / "cache")))
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
