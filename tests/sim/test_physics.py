@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from instgenie.scheduler.estimate import Estimator
-from instgenie.scheduler.routing import CacheAware
+from instgenie.scheduler.routing import CacheAware, LeastLoaded
 from instgenie.sim import physics, workload
 from instgenie.sim.catalogue import Catalogue, cache_bytes
 from instgenie.sim.engine import Engine
@@ -170,3 +170,33 @@ def test_the_servers_view_is_stale_through_a_long_step() -> None:
         first, second = Engine(sc, CacheAware()).run().requests
         assert first.tier is None and first.triggered_capture
         assert second.tier is None and second.triggered_capture is not stale
+
+
+def test_an_entry_counts_as_used_when_its_edit_releases_it() -> None:
+    """cache/index.py stamps an entry at release too: an entry read first but released last is
+    the most recently used, so a capture evicts the other one."""
+    t = HostTiers(dram_bytes=2 * NB, disk_bytes=0)
+    t.commit("a", NB)
+    t.commit("b", NB)
+    t.read("a", NB)
+    t.read("b", NB)
+    t.release("b")
+    t.release("a")  # a's edit ends last
+    assert t.reserve("c", NB)
+    assert t.tier("a") == "dram" and t.tier("b") is None
+
+
+def test_an_edit_stays_in_flight_until_post_processed() -> None:
+    """physics.post_ms: the server counts an edit on its worker until it is answered, so
+    least-loaded routing sends an edit that arrives meanwhile to the other worker."""
+    ratios = tuple((s, 0.2) for s in EST.strides)
+    cat = Catalogue(("t0",), np.array([1.0]), NB)
+    first = [workload.Arrival(0.0, 0, 0.2, ratios)]
+    base = Scenario(SDXL, Cluster(1, 2, 2 * NB, 0), cat, first, initial={"t0": [0]})
+    (done,) = Engine(base, LeastLoaded()).run().requests
+    second = [*first, workload.Arrival(done.finish_ms + 100.0, 0, 0.2, ratios)]
+    for post, worker in ((1000.0, 1), (0.0, 0)):
+        sc = dataclasses.replace(base, arrivals=second,
+                                 physics=StepPhysics(post_ms=post))  # fmt: skip
+        _, later = Engine(sc, LeastLoaded()).run().requests
+        assert later.worker == worker
