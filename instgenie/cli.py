@@ -472,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     from instgenie.dataset.command import add_dataset_parser  # (light: no torch)
 
     add_dataset_parser(sub)
+    from instgenie.reference.command import add_train_reference_parser
+
+    add_train_reference_parser(sub)
     return parser
 
 

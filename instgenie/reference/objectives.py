@@ -1,0 +1,101 @@
+"""What each family's backbone learns, as one loss per batch, computed with the pipelines' own
+conventions so that the adapters' inference reads the weights the way they were trained:
+
+- `sdxl-inpaint`: epsilon prediction on the DDPM forward process of its scheduler's betas (the
+  Euler scheduler's scale_model_input turns its sample back into that form), input channels
+  [noisy latents, latent mask, masked-image latents] as StableDiffusionXLInpaintPipeline
+  concatenates them, masked image = image * (mask < 0.5); min-SNR-5 weighting. A dropped
+  caption has zero text embeddings: what force_zeros_for_empty_prompt gives the unconditional
+  row at inference.
+- `flux-fill`: rectified flow, x_t = (1 - s) x0 + s noise, target noise - x0, s logit-normal;
+  the condition is FluxFillPipeline.prepare_mask_latents' output (masked image = image *
+  (1 - mask)), timestep s (the pipeline's t / 1000).
+
+A batch (train.Batches.latents): the image's VAE latents (a posterior sample) and the masked
+image's (posterior mean), both raw (unscaled, unshifted), (B, C, S/4, S/4); masks (B, 1, S, S)
+in {0, 1}; captions (B strings). The pool is encoded once by the trained, frozen VAE.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+class SDXLObjective:
+    def __init__(self, pipe: Any, uncond_p: float) -> None:
+        self.pipe, self.uncond_p = pipe, uncond_p
+        self.modules = [pipe.unet, pipe.text_encoder, pipe.text_encoder_2]
+        self._alphas: torch.Tensor | None = None
+
+    def loss(self, lat: torch.Tensor, masked: torch.Tensor, masks: torch.Tensor,
+             captions: list[str], gen: torch.Generator) -> torch.Tensor:  # fmt: skip
+        pipe, dev = self.pipe, lat.device
+        b, side = lat.shape[0], masks.shape[-1]
+        sf = pipe.vae.config.scaling_factor
+        latents, masked = lat.float() * sf, masked.float() * sf
+        mask_lat = F.interpolate(masks, size=latents.shape[-2:])
+        pe, _, pooled, _ = pipe.encode_prompt(
+            prompt=captions, device=dev, num_images_per_prompt=1, do_classifier_free_guidance=False
+        )
+        keep = (torch.rand(b, device=dev, generator=gen) >= self.uncond_p).to(pe.dtype)
+        pe, pooled = pe * keep[:, None, None], pooled * keep[:, None]
+        size = (side, side)
+        time_ids, _ = pipe._get_add_time_ids(
+            size, (0, 0), size, 6.0, 2.5, size, (0, 0), size, dtype=pe.dtype,
+            text_encoder_projection_dim=pipe.text_encoder_2.config.projection_dim,
+        )  # fmt: skip
+        if self._alphas is None:
+            self._alphas = pipe.scheduler.alphas_cumprod.to(dev, torch.float32)
+        t = torch.randint(0, len(self._alphas), (b,), device=dev, generator=gen)
+        a = self._alphas[t][:, None, None, None]
+        noise = torch.randn(latents.shape, device=dev, generator=gen)
+        noisy = a.sqrt() * latents + (1 - a).sqrt() * noise
+        x = torch.cat([noisy, mask_lat, masked], dim=1)
+        pred = pipe.unet(
+            x.contiguous(memory_format=torch.channels_last), t, encoder_hidden_states=pe,
+            added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids.to(dev).repeat(b, 1)},
+        ).sample  # fmt: skip
+        snr = (a / (1 - a)).flatten()
+        weight = torch.clamp(snr, max=5.0) / snr
+        per = ((pred.float() - noise) ** 2).mean(dim=(1, 2, 3))
+        return (weight * per).mean()
+
+
+class FluxObjective:
+    def __init__(self, pipe: Any, uncond_p: float) -> None:
+        self.pipe, self.uncond_p = pipe, uncond_p  # no CFG at inference: captions never dropped
+        self.modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+
+    def loss(self, lat: torch.Tensor, masked: torch.Tensor, masks: torch.Tensor,
+             captions: list[str], gen: torch.Generator) -> torch.Tensor:  # fmt: skip
+        pipe, dev = self.pipe, lat.device
+        b, side = lat.shape[0], masks.shape[-1]
+        vae, c = pipe.vae, pipe.vae.config.latent_channels
+        with torch.no_grad():
+            lat = (lat.float() - vae.config.shift_factor) * vae.config.scaling_factor
+            h, w = lat.shape[-2:]
+            x0 = pipe._pack_latents(lat, b, c, h, w)
+            # raw masked-image latents take prepare_mask_latents' "already latents" path
+            mask_packed, masked = pipe.prepare_mask_latents(
+                masks, masked.float(), b, c, 1, side, side, lat.dtype, dev, gen
+            )
+        pe, pooled, text_ids = pipe.encode_prompt(
+            prompt=captions, prompt_2=None, device=dev, num_images_per_prompt=1,
+            max_sequence_length=pipe.tokenizer_2.model_max_length,
+        )  # fmt: skip
+        img_ids = pipe._prepare_latent_image_ids(b, h // 2, w // 2, dev, lat.dtype)
+        s = torch.sigmoid(torch.randn(b, device=dev, generator=gen))
+        noise = torch.randn(x0.shape, device=dev, generator=gen)
+        xt = (1 - s[:, None, None]) * x0 + s[:, None, None] * noise
+        pred = pipe.transformer(
+            hidden_states=torch.cat((xt, masked, mask_packed), dim=2), timestep=s, guidance=None,
+            pooled_projections=pooled, encoder_hidden_states=pe, txt_ids=text_ids,
+            img_ids=img_ids, return_dict=False,
+        )[0]  # fmt: skip
+        return F.mse_loss(pred.float(), noise - x0)
+
+
+OBJECTIVES = {"sdxl-inpaint": SDXLObjective, "flux-fill": FluxObjective}

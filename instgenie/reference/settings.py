@@ -1,0 +1,44 @@
+"""The reference models' settings that the CLI reads without importing torch: families, working
+side, T5 length, and the training configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FAMILIES = ("sdxl-inpaint", "flux-fill")
+#: the reference models' working side, pixels
+SIDE = 256
+#: T5 tokens per prompt (the longest caption is under 40 with the reference vocabulary)
+T5_LEN = 64
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    family: str
+    seed: int = 0
+    vae_steps: int = 2500
+    vae_batch: int = 32
+    vae_lr: float = 5e-4
+    #: VAE training crops, pixels (fully convolutional: crops teach it the whole image's statistics)
+    vae_crop: int = 128
+    #: VAE loss: L1 + this x L1 of image gradients + kl_weight x KL (summed over latents)
+    grad_weight: float = 0.5
+    kl_weight: float = 1e-6
+    steps: int = 20000
+    batch: int = 64
+    lr: float = 4e-4
+    warmup: int = 250
+    ema: float = 0.998
+    #: share of samples whose mask is the whole image (text-to-image; as SD inpainting trains)
+    full_mask_p: float = 0.2
+    #: share of captions dropped (SDXL's unconditional row for CFG)
+    uncond_p: float = 0.1
+    #: stop each phase after this many minutes (0: no limit)
+    vae_minutes: float = 0.0
+    max_minutes: float = 0.0
+    log_every: int = 50
+    #: "bf16" (autocast on CUDA) or "fp32" (TF32 matmuls)
+    amp: str = "bf16"
+    #: a reference pipeline directory to continue from ("" = fresh weights); its VAE and latent
+    #: scaling are kept (vae_steps is ignored) and its backbone and text towers train on
+    init: str = ""

@@ -1,0 +1,271 @@
+"""Train one reference model: its VAE on the pool's images, then its backbone and text towers
+together on the family's objective (objectives.py); save the EMA weights in fp16, diffusers
+layout, with `training.json` (the settings, the loss curves, the device, the time).
+
+Seeded: the pool is write.entry(seed, i); initial weights, batches, masks, noise and timesteps
+come from generators seeded with `seed`. A GPU's kernels are not bit-reproducible, so a retrain
+reproduces the curves, not the bytes. `max_minutes` stops a phase early (the step reached is
+recorded); the learning rate is constant after warm-up, so any stopping point is a finished
+model (EMA weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from instgenie.reference import configs
+from instgenie.reference.objectives import OBJECTIVES
+from instgenie.reference.pool import Pool
+from instgenie.reference.settings import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def _autocast(dev: torch.device, amp: str = "bf16"):  # noqa: ANN202
+    if dev.type == "cuda" and amp == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class Batches:
+    """Random batches of the pool on `device`: a random mask kind per image, or the whole image
+    with probability full_mask_p. Before the VAE is trained: images in [-1, 1] (`images`); after
+    `encode(vae)`: the pool's latents (`latents`), the images dropped."""
+
+    def __init__(self, pool: Pool, device: torch.device, seed: int, full_mask_p: float) -> None:
+        self.images = torch.from_numpy(pool.images).to(device)  # uint8 NHWC
+        self.masks = torch.from_numpy(pool.masks).to(device)  # bool (N, kinds, S, S)
+        self.captions = pool.captions
+        self.rng = np.random.default_rng(seed)
+        self.full_mask_p = full_mask_p
+        self.device = device
+
+    def _pick(self, b: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, kinds = self.masks.shape[:2]
+        idx = self.rng.integers(n, size=b)
+        kind = self.rng.integers(kinds, size=b)
+        full = torch.from_numpy(self.rng.random(b) < self.full_mask_p).to(self.device)
+        i, k = torch.from_numpy(idx).to(self.device), torch.from_numpy(kind).to(self.device)
+        return idx, i, k, full
+
+    def _images(self, i: torch.Tensor) -> torch.Tensor:
+        return self.images[i].permute(0, 3, 1, 2).float() / 127.5 - 1
+
+    def images_crops(self, b: int, crop: int) -> torch.Tensor:
+        """`b` images, one random `crop` x `crop` window (the same for the batch)."""
+        _, i, _, _ = self._pick(b)
+        side = self.images.shape[1]
+        y, x = (int(v) for v in self.rng.integers(side - crop + 1, size=2))
+        return self._images(i)[:, :, y : y + crop, x : x + crop]
+
+    @torch.no_grad()
+    def encode(self, vae: Any, amp: str, chunk: int = 64) -> None:
+        """Encode the pool once: each image's posterior (mean, std) and each mask kind's masked
+        image's posterior mean (masked = image * (mask < 0.5): zero where edited), fp16."""
+        n, kinds = self.masks.shape[:2]
+        means, stds, masked = [], [], []
+        for s in range(0, n, chunk):
+            i = torch.arange(s, min(n, s + chunk), device=self.device)
+            x = self._images(i)
+            with _autocast(self.device, amp):
+                post = vae.encode(x).latent_dist
+                means.append(post.mean.half())
+                stds.append(post.std.half())
+                per_kind = [vae.encode(x * ~self.masks[i, k][:, None]).latent_dist.mean.half()
+                            for k in range(kinds)]  # fmt: skip
+            masked.append(torch.stack(per_kind, dim=1))
+            with _autocast(self.device, amp):
+                self.blank = vae.encode(torch.zeros_like(x[:1])).latent_dist.mean.half()[0]
+        self.lat_mean, self.lat_std = torch.cat(means), torch.cat(stds)
+        self.masked_lat = torch.cat(masked)
+        del self.images
+
+    def latents(self, b: int, gen: torch.Generator):  # noqa: ANN201
+        """(image latents: a posterior sample, masked-image latents, masks (B, 1, S, S) float,
+        captions): raw latents, float32."""
+        idx, i, k, full = self._pick(b)
+        mean, std = self.lat_mean[i].float(), self.lat_std[i].float()
+        lat = mean + std * torch.randn(mean.shape, device=self.device, generator=gen)
+        masked = self.masked_lat[i, k].float()
+        masked[full] = self.blank.float()
+        masks = self.masks[i, k][:, None].float()
+        masks[full] = 1.0
+        return lat, masked, masks, [self.captions[j] for j in idx]
+
+
+class Curve:
+    """Mean loss per `every` steps, with the seconds since the phase began."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.points, self._acc, self._t0 = every, [], [], time.monotonic()
+
+    def add(self, step: int, loss: float) -> None:
+        self._acc.append(loss)
+        if len(self._acc) == self.every:
+            self.points.append([step, round(float(np.mean(self._acc)), 6),
+                                round(time.monotonic() - self._t0, 1)])  # fmt: skip
+            log.info("step %d loss %.5f", step, self.points[-1][1])
+            self._acc = []
+
+    def elapsed_min(self) -> float:
+        return (time.monotonic() - self._t0) / 60
+
+
+def _sobel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x[..., 1:, :] - x[..., :-1, :], x[..., :, 1:] - x[..., :, :-1]
+
+
+def train_vae(vae: Any, batches: Batches, cfg: TrainConfig, gen: torch.Generator) -> dict:
+    dev = batches.device
+    vae.train().requires_grad_(True)
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, betas=(0.9, 0.99), weight_decay=0)
+    curve = Curve(cfg.log_every)
+    step = 0
+    for step in range(1, cfg.vae_steps + 1):
+        images = batches.images_crops(cfg.vae_batch, cfg.vae_crop)
+        with _autocast(dev, cfg.amp):
+            post = vae.encode(images).latent_dist
+            rec = vae.decode(post.sample(gen)).sample.float()
+        loss = (rec - images).abs().mean()
+        for a, b in zip(_sobel(rec), _sobel(images), strict=True):
+            loss = loss + cfg.grad_weight * (a - b).abs().mean()
+        loss = loss + cfg.kl_weight * post.kl().float().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        curve.add(step, float(loss.detach()))
+        if cfg.vae_minutes and curve.elapsed_min() >= cfg.vae_minutes:
+            break
+    vae.eval().requires_grad_(False)
+    return {"steps": step, "curve": curve.points}
+
+
+@torch.no_grad()
+def latent_stats(vae: Any, batches: Batches, gen: torch.Generator, n: int = 256) -> dict:
+    """Mean and standard deviation of the VAE's latents over `n` pool images: the shift factor
+    (Flux) and 1 / std as the scaling factor, so the backbone sees unit-variance latents."""
+    lats = []
+    for _ in range(max(1, n // 32)):
+        images = batches.images_crops(32, batches.images.shape[1])
+        lats.append(vae.encode(images).latent_dist.sample(gen).float())
+    z = torch.cat(lats)
+    return {"mean": float(z.mean()), "std": float(z.std())}
+
+
+def train_backbone(pipe: Any, batches: Batches, cfg: TrainConfig,
+                   gen: torch.Generator) -> dict:  # fmt: skip
+    dev = batches.device
+    objective = OBJECTIVES[cfg.family](pipe, cfg.uncond_p)
+    params = [p for m in objective.modules for p in m.parameters()]
+    for m in objective.modules:
+        m.train().requires_grad_(True)
+    ema = [p.detach().float().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
+    curve = Curve(cfg.log_every)
+    step = 0
+    for step in range(1, cfg.steps + 1):
+        lat, masked, masks, captions = batches.latents(cfg.batch, gen)
+        with _autocast(dev, cfg.amp):
+            loss = objective.loss(lat, masked, masks, captions, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        decay = min(cfg.ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach().float() for p in params], 1 - decay)
+        curve.add(step, float(loss.detach()))
+        if cfg.max_minutes and curve.elapsed_min() >= cfg.max_minutes:
+            break
+    with torch.no_grad():
+        for p, e in zip(params, ema, strict=True):
+            p.copy_(e.to(p.dtype))
+    for m in objective.modules:
+        m.eval().requires_grad_(False)
+    return {"steps": step, "curve": curve.points}
+
+
+def train(cfg: TrainConfig, pool: Pool, out: Path, device: str = "cuda") -> dict:
+    """Train `cfg.family` on `pool`; write the pipeline (fp16) and training.json to `out`."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        # cuDNN's fused attention failed in backward here (mha_graph.execute, H200, torch 2.11)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator(device=dev).manual_seed(cfg.seed)
+    batches = Batches(pool, dev, cfg.seed, cfg.full_mask_p)
+    t0 = time.monotonic()
+    if cfg.init:
+        pipe = configs.load_pipeline(cfg.family, cfg.init).to(dev)
+        vae_log = {"steps": 0, "curve": [], "from": cfg.init}
+        stats = latent_stats(pipe.vae, batches, gen)
+        scaling = {k: pipe.vae.config[k] for k in ("scaling_factor", "shift_factor")
+                   if pipe.vae.config.get(k) is not None}  # fmt: skip
+    else:
+        pipe = configs.new_pipeline(cfg.family).to(dev)
+        vae_log = train_vae(pipe.vae, batches, cfg, gen)
+        stats = latent_stats(pipe.vae, batches, gen)
+        scaling = {"scaling_factor": round(1.0 / stats["std"], 5)}
+        if cfg.family == "flux-fill":
+            scaling["shift_factor"] = round(stats["mean"], 5)
+        pipe.vae.register_to_config(**scaling)
+    pipe.set_progress_bar_config(disable=True)
+    if dev.type == "cuda" and cfg.family == "sdxl-inpaint":
+        # NHWC convolutions (cuDNN's fast path for bf16; decision 0004 for inference)
+        pipe.unet.to(memory_format=torch.channels_last)
+    vae_rec = reconstruction_psnr(pipe.vae, batches)
+    t_enc = time.monotonic()
+    batches.encode(pipe.vae, cfg.amp)
+    encode_s = time.monotonic() - t_enc
+    backbone_log = train_backbone(pipe, batches, cfg, gen)
+    seconds = time.monotonic() - t0
+    save(pipe, out)
+    record = {
+        "family": cfg.family, "config": dataclasses.asdict(cfg), "pool_scenes": len(pool),
+        "side": int(pool.images.shape[1]), "vae": {**vae_log, "latents": stats, **scaling,
+                                                   "reconstruction_psnr_db": vae_rec,
+                                                   "pool_encode_s": round(encode_s, 1)},
+        "backbone": backbone_log, "seconds": round(seconds, 1),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
+        "torch": torch.__version__, "parameters": parameter_counts(pipe),
+    }  # fmt: skip
+    (out / "training.json").write_text(json.dumps(record) + "\n")
+    return record
+
+
+@torch.no_grad()
+def reconstruction_psnr(vae: Any, batches: Batches, n: int = 64) -> float:
+    """PSNR (dB, 8-bit) of the VAE's mean reconstruction of `n` pool images."""
+    images = batches.images_crops(n, batches.images.shape[1])
+    rec = vae.decode(vae.encode(images).latent_dist.mode()).sample.float().clamp(-1, 1)
+    mse = F.mse_loss((rec + 1) * 127.5, (images + 1) * 127.5)
+    return round(float(10 * torch.log10(255.0**2 / mse)), 2)
+
+
+def parameter_counts(pipe: Any) -> dict[str, int]:
+    return {name: sum(p.numel() for p in m.parameters())
+            for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}  # fmt: skip
+
+
+def save(pipe: Any, out: Path) -> None:
+    """fp16 safetensors in diffusers layout (the VAE too: force_upcast is off, its activations
+    stay in range at 256 px)."""
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.to(torch.device("cpu"), torch.float16)
+    pipe.save_pretrained(str(out), safe_serialization=True)
