@@ -113,7 +113,7 @@ def env_overrides(cls: type, environ: Mapping[str, str]) -> dict[str, typing.Any
 
 @dataclass(frozen=True)
 class ModelConfig:
-    #: "FAMILY:SIZE" with SIZE in {tiny, full}, or "FAMILY:/path/to/diffusers/dir"
+    #: "FAMILY:SIZE" with SIZE in {tiny, full, ref}, or "FAMILY:/path/to/diffusers/dir"
     model: str = "sdxl-inpaint:tiny"
     #: torch device string, e.g. "cpu", "cuda", "cuda:1"
     device: str = "cpu"

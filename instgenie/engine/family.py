@@ -22,18 +22,29 @@ if TYPE_CHECKING:
     from instgenie.engine.request import EditRequest, RequestState
     from instgenie.scheduler.step import StepPlan
 
-SIZES = ("tiny", "full")
+#: tiny / full: random weights built in code; ref: the reference models this project trained
+#: (instgenie/reference), shipped as diffusers directories under instgenie/assets/ref
+SIZES = ("tiny", "full", "ref")
+#: where `FAMILY:ref` loads from
+REF_ROOT = Path(__file__).resolve().parent.parent / "assets" / "ref"
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     family: str
-    #: "tiny", "full", or a local diffusers directory
+    #: "tiny", "full", "ref", or a local diffusers directory
     size: str
 
     @property
     def is_local_dir(self) -> bool:
         return self.size not in SIZES
+
+    @property
+    def directory(self) -> Path | None:
+        """The diffusers directory the weights load from (None: built in code)."""
+        if self.size == "ref":
+            return REF_ROOT / self.family
+        return Path(self.size) if self.is_local_dir else None
 
     @classmethod
     def parse(cls, text: str) -> ModelSpec:
@@ -48,6 +59,9 @@ class ModelSpec:
             raise ModelLoadError(
                 f"model size {size!r} is neither one of {SIZES} nor an existing local directory"
             )
+        if size == "ref" and not (REF_ROOT / family / "model_index.json").is_file():
+            have = sorted(p.parent.name for p in REF_ROOT.glob("*/model_index.json"))
+            raise ModelLoadError(f"there is no reference model of {family!r}; there are: {have}")
         return cls(family, size)
 
     def __str__(self) -> str:

@@ -4,7 +4,7 @@ it, and the working size of an image under the oversize policy (LimitsConfig.ove
 Pure Python (no torch): the API process resolves the same limits its workers apply. The native
 sides match the adapters' `default_size` (tests/server/test_admission.py checks the tiny ones):
 `full` and local checkpoints work at their family's published resolution, every `tiny` model at
-128 pixels (UNet/transformer sample size x the tiny VAE's 4x downscale).
+128 pixels (UNet/transformer sample size x the tiny VAE's 4x downscale), every `ref` model at 256.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from instgenie.errors import TooManyPixelsError
 NATIVE_SIDE = {"sd2-inpaint": 512, "sdxl-inpaint": 1024, "flux-fill": 1024}
 #: native side of every `tiny` model, pixels
 TINY_SIDE = 128
+#: native side of every reference model (`ref`, instgenie/reference), pixels
+REF_SIDE = 256
 #: default max_image_pixels = native area x this
 PIXEL_CAP_FACTOR = 4
 
@@ -28,6 +30,8 @@ def native_side(model: str) -> int:
     family, _, size = model.partition(":")
     if size == "tiny":
         return TINY_SIDE
+    if size == "ref":
+        return REF_SIDE
     return NATIVE_SIDE.get(family, 1024)
 
 

@@ -1,5 +1,6 @@
-"""What all family adapters share: loading (tiny / full / local directory), per-request scheduler
-copies, and the proxy that lets diffusers' own pipeline methods run with a private scheduler.
+"""What all family adapters share: loading (tiny / full / ref / local directory), per-request
+scheduler copies, and the proxy that lets diffusers' own pipeline methods run with a private
+scheduler.
 """
 
 from __future__ import annotations
@@ -176,8 +177,8 @@ class AdapterBase:
         `text_encoder_graphs`: replay the text towers from CUDA graphs on CUDA; `execution`:
         kernels, layout and graphs (config.ExecConfig)."""
         dev = torch.device(device)
-        if spec.is_local_dir:
-            pipe = cls._from_dir(Path(spec.size), dev, dtype)
+        if spec.directory is not None:
+            pipe = cls._from_dir(spec.directory, dev, dtype)
         else:
             meta = META_PARTS[parts]
             comps = cls.build_components(spec.size, build=cls.builder(str(dev), dtype, meta))
