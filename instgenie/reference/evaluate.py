@@ -1,0 +1,221 @@
+"""The quality of masked execution on the reference models: held-out edits run on the full path
+and on the masked path (the template's cache filling the unmasked rows), with the same seed.
+
+A case is an eval-split scene of the procedural dataset (its garment's colour x pattern was held
+out of training) with one of its masks (m <= max_ratio) and its edit prompt (another held-out
+colour x pattern). The template is the scene with its caption, captured once with
+TEMPLATE_SEED and no mask, as a served template is; the edit runs with its own seed on both
+paths. Metrics compare the two outputs after paste-back (what a client receives) on the whole
+image, inside the mask and on a band of BAND pixels around the mask's edge, plus the raw
+(un-pasted) whole image; prompt adherence is the region classifier's reading
+(dataset/classifier.py) of the template's garment pixels inside the mask, against the edit's
+labels, for each path and for the edit target rendered exactly (the classifier's ceiling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageFilter
+
+from instgenie.dataset import classifier, masks, scenes
+from instgenie.dataset.render import GARMENT, render
+from instgenie.dataset.write import entry
+from instgenie.engine.quality import psnr, region_psnr, ssim, ssim_map
+
+#: dataset seed of the evaluation scenes (the training pool is seed 0, train split only)
+EVAL_SEED = 7
+TEMPLATE_SEED = 0
+#: width of the band around the mask's edge, pixels (on each side of the edge)
+BAND = 6
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    image: np.ndarray  # (S, S, 3) uint8
+    mask: np.ndarray  # (S, S) bool, True = edit
+    kind: str
+    ratio: float
+    garment: np.ndarray  # (S, S) bool: the template's garment pixels
+    caption: str  # the template's prompt
+    prompt: str  # the edit's
+    want: dict  # the edit's labels (colour, pattern, garment)
+    target: np.ndarray  # the edit rendered exactly (the classifier's ceiling)
+
+
+def cases(count: int, size: int = 256, seed: int = EVAL_SEED, max_ratio: float = 0.3,
+          split: str = "eval") -> list[Case]:  # fmt: skip
+    """`count` cases, mask kinds in turn (garment, rect, brush), each mask's ratio <= max_ratio."""
+    out: list[Case] = []
+    for index in _indices():
+        if len(out) == count:
+            return out
+        meta, image, made = entry(seed, index, size)
+        kind = masks.KINDS[len(out) % len(masks.KINDS)]
+        if meta["split"] != split or kind not in made or made[kind].mean() > max_ratio:
+            continue
+        scene = _scene(meta["scene"])
+        _, labels = render(scene, size)
+        want = meta["edit"]["labels"]
+        accent = "black" if want["colour"] in ("white", "yellow", "pink") else "white"
+        target = dataclasses.replace(scene, colour=want["colour"], pattern=want["pattern"],
+                                     accent=accent)  # fmt: skip
+        wanted = {k: want[k] for k in classifier.TARGETS}
+        out.append(Case(meta["id"], image, made[kind], kind, float(made[kind].mean()),
+                        labels == GARMENT, meta["caption"], meta["edit"]["prompt"], wanted,
+                        render(target, size)[0]))  # fmt: skip
+    return out
+
+
+def _indices() -> Iterator[int]:
+    i = 0
+    while True:
+        yield i
+        i += 1
+
+
+def _scene(d: dict) -> scenes.Scene:
+    return scenes.Scene(**{**d, "light": scenes.Light(**d["light"])})
+
+
+def png(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def band(mask: np.ndarray, width: int = BAND) -> np.ndarray:
+    """Pixels within `width` of the mask's edge, on either side."""
+    img = Image.fromarray(mask.astype(np.uint8) * 255)
+    k = 2 * width + 1
+    grown = np.asarray(img.filter(ImageFilter.MaxFilter(k))) > 127
+    shrunk = np.asarray(img.filter(ImageFilter.MinFilter(k))) > 127
+    return grown & ~shrunk
+
+
+def compare(full: Image.Image, masked: Image.Image, case: Case) -> dict[str, float]:
+    """Masked against full, both pasted back: SSIM and PSNR on the whole image, inside the
+    mask, on the edge band; also the whole image's SSIM of the un-pasted outputs is the
+    caller's (compare_raw)."""
+    smap = ssim_map(full, masked)
+    edge = band(case.mask)
+    return {
+        "ssim": round(ssim(full, masked), 5), "psnr": round(psnr(full, masked), 3),
+        "ssim_mask": round(float(smap[case.mask].mean()), 5),
+        "psnr_mask": round(region_psnr(full, masked, case.mask), 3),
+        "ssim_band": round(float(smap[edge].mean()), 5),
+        "psnr_band": round(region_psnr(full, masked, edge), 3),
+    }  # fmt: skip
+
+
+def adherence(clf: classifier.RegionClassifier, image: Image.Image | np.ndarray,
+              case: Case) -> dict[str, bool]:  # fmt: skip
+    """Whether the classifier reads the edit's colour and pattern (and both) in the template's
+    garment pixels inside the mask."""
+    pred = clf.predict(np.asarray(image), case.garment & case.mask)
+    hit = {t: pred[t] == case.want[t] for t in ("colour", "pattern")}
+    return {**hit, "both": hit["colour"] and hit["pattern"]}
+
+
+def unmasked_equal(out: Image.Image, case: Case) -> bool:
+    """The output equals the input outside the mask (paste-back)."""
+    return bool((np.asarray(out.convert("RGB"))[~case.mask] == case.image[~case.mask]).all())
+
+
+@dataclass
+class Outputs:
+    """One case's images (pasted back unless named raw)."""
+
+    full: Image.Image
+    full_raw: Image.Image
+    masked: dict[str, Image.Image]  # by cache variant
+    masked_raw: dict[str, Image.Image]
+    #: by variant with a load planner: the blocks its last step computed in full, of all blocks
+    compute_all: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+
+def run_case(pipes: dict, case: Case, steps: int, guidance: float | None, seed: int) -> Outputs:
+    """Full path on the first pipe; masked path on each (one pipe per cache variant: they share
+    the family, their stores differ). Each template is captured into its pipe's store first."""
+    from dataclasses import replace
+
+    from instgenie.engine.imageio import paste_back
+    from instgenie.engine.request import EditRequest
+    from instgenie.engine.templates import TemplateSpec
+
+    image, mask = Image.fromarray(case.image), Image.fromarray(case.mask.astype(np.uint8) * 255)
+    spec = TemplateSpec(image=png(case.image), prompt=case.caption, seed=TEMPLATE_SEED,
+                        num_inference_steps=steps, guidance_scale=guidance)  # fmt: skip
+    req = EditRequest(uid=case.id, image=png(case.image), mask=png(np.asarray(mask)),
+                      prompt=case.prompt, seed=seed, num_inference_steps=steps,
+                      guidance_scale=guidance, paste_back=False)  # fmt: skip
+    first = next(iter(pipes.values()))
+    full_raw = first.run([req])[0].image
+    masked_raw, compute_all = {}, {}
+    for name, pipe in pipes.items():
+        key = pipe.build_template(spec)
+        res = pipe.run([replace(req, image=None, template_id=key)])[0]
+        if res.path != "masked":
+            raise RuntimeError(f"case {case.id}: the edit ran {res.path} ({res.fallback_reason})")
+        masked_raw[name] = res.image
+        pipe.store.delete(key)
+        pricer = pipe.cost_model
+        if pricer is not None and pricer.last_plan is not None:
+            chosen = len(pricer.last_plan.compute_all)
+            compute_all[name] = (chosen, len(pipe.family.masked.blocks))
+    pasted = {n: paste_back(im, image, mask) for n, im in masked_raw.items()}
+    return Outputs(paste_back(full_raw, image, mask), full_raw, pasted, masked_raw, compute_all)
+
+
+def score(outs: Outputs, case: Case, clf: classifier.RegionClassifier) -> dict:
+    """One case's row: metrics of each masked variant against the full path, adherence of
+    every path and of the exact target, paste-back's exactness."""
+    row = {"id": case.id, "kind": case.kind, "ratio": round(case.ratio, 4),
+           "prompt": case.prompt, "full": adherence(clf, outs.full, case),
+           "target": adherence(clf, case.target, case),
+           "unmasked_equal": unmasked_equal(outs.full, case)}  # fmt: skip
+    for name, img in outs.masked.items():
+        row[name] = {**compare(outs.full, img, case),
+                     "ssim_raw": round(ssim(outs.full_raw, outs.masked_raw[name]), 5),
+                     "adherence": adherence(clf, img, case),
+                     "unmasked_equal": unmasked_equal(img, case)}  # fmt: skip
+        if name in outs.compute_all:
+            row[name]["compute_all_blocks"] = list(outs.compute_all[name])
+    return row
+
+
+def summary(rows: list[dict], variants: list[str]) -> dict:
+    """Means of the metrics and accuracies over the rows."""
+
+    def acc(get) -> dict:  # noqa: ANN001
+        return {t: round(float(np.mean([get(r)[t] for r in rows])), 4)
+                for t in ("colour", "pattern", "both")}  # fmt: skip
+
+    out = {"cases": len(rows), "full": acc(lambda r: r["full"]),
+           "target": acc(lambda r: r["target"]),
+           "unmasked_equal": all(r["unmasked_equal"] for r in rows)}  # fmt: skip
+    for v in variants:
+        keys = [k for k in rows[0][v] if k.startswith(("ssim", "psnr"))]
+        out[v] = {k: round(float(np.mean([r[v][k] for r in rows])), 5) for k in keys}
+        out[v]["ssim_min"] = round(float(min(r[v]["ssim"] for r in rows)), 5)
+        out[v]["adherence"] = acc(lambda r, v=v: r[v]["adherence"])
+        out[v]["unmasked_equal"] = all(r[v]["unmasked_equal"] for r in rows)
+    return out
+
+
+def grid(case_list: list[Case], outs: list[Outputs], variant: str) -> Image.Image | None:
+    """Rows of (template, mask, full, masked, |full - masked| x 4); None without rows."""
+    if not outs:
+        return None
+    tiles = []
+    for case, o in zip(case_list, outs, strict=True):
+        full, masked = np.asarray(o.full), np.asarray(o.masked[variant])
+        diff = np.clip(np.abs(full.astype(int) - masked.astype(int)) * 4, 0, 255).astype(np.uint8)
+        m = np.repeat(case.mask[..., None].astype(np.uint8) * 255, 3, axis=2)
+        tiles.append(np.concatenate([case.image, m, full, masked, diff], axis=1))
+    return Image.fromarray(np.concatenate(tiles, axis=0))
