@@ -57,7 +57,6 @@ def main() -> int:
                    help="a fitted profile (instgenie profile): the planner variant")  # fmt: skip
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     args = p.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     pipes = pipes_for(args.model, args.device, args.profile)
     clf = classifier.RegionClassifier.load(classifier.DEFAULT_WEIGHTS)
     cases = evaluate.cases(args.cases, max_ratio=args.max_ratio)

@@ -463,18 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     from instgenie.server.commands import add_commands  # serve, client (light imports)
 
     add_commands(sub)
-    from instgenie.loadtest.command import add_loadtest_parser  # (light: no torch)
+    from instgenie.tools import add_tool_commands  # loadtest, simulate, dataset, train-reference
 
-    add_loadtest_parser(sub)
-    from instgenie.sim.command import add_simulate_parser  # (light: no torch)
-
-    add_simulate_parser(sub)
-    from instgenie.dataset.command import add_dataset_parser  # (light: no torch)
-
-    add_dataset_parser(sub)
-    from instgenie.reference.command import add_train_reference_parser
-
-    add_train_reference_parser(sub)
+    add_tool_commands(sub)
     return parser
 
 

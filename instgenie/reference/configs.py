@@ -14,6 +14,7 @@ reads "checked" as one symbol.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -124,7 +125,7 @@ def clip_tokenizer() -> CLIPTokenizer:
 
 def t5_tokenizer() -> T5Tokenizer:
     """The shipped T5 Unigram vocabulary with "▁word" pieces scored above any letter."""
-    pieces = [tuple(p) for p in textenc.json.loads(textenc._asset("t5_vocab.json"))]
+    pieces = [tuple(p) for p in json.loads(textenc._asset("t5_vocab.json"))]
     words = {f"\u2581{w}" for w in _words()} | set(_words())
     pieces = [p for p in pieces if p[0] not in words] + [(w, -1.0) for w in sorted(words)]
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=T5_LEN)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Iterator
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +52,7 @@ def cases(count: int, size: int = 256, seed: int = EVAL_SEED, max_ratio: float =
           split: str = "eval") -> list[Case]:  # fmt: skip
     """`count` cases, mask kinds in turn (garment, rect, brush), each mask's ratio <= max_ratio."""
     out: list[Case] = []
-    for index in _indices():
+    for index in itertools.count():
         if len(out) == count:
             return out
         meta, image, made = entry(seed, index, size)
@@ -70,13 +70,6 @@ def cases(count: int, size: int = 256, seed: int = EVAL_SEED, max_ratio: float =
                         labels == GARMENT, meta["caption"], meta["edit"]["prompt"], wanted,
                         render(target, size)[0]))  # fmt: skip
     return out
-
-
-def _indices() -> Iterator[int]:
-    i = 0
-    while True:
-        yield i
-        i += 1
 
 
 def _scene(d: dict) -> scenes.Scene:

@@ -85,8 +85,8 @@ class Batches:
                 per_kind = [vae.encode(x * ~self.masks[i, k][:, None]).latent_dist.mean.half()
                             for k in range(kinds)]  # fmt: skip
             masked.append(torch.stack(per_kind, dim=1))
-            with _autocast(self.device, amp):
-                self.blank = vae.encode(torch.zeros_like(x[:1])).latent_dist.mean.half()[0]
+        with _autocast(self.device, amp):  # a whole-image mask leaves a zero image
+            self.blank = vae.encode(torch.zeros_like(x[:1])).latent_dist.mean.half()[0]
         self.lat_mean, self.lat_std = torch.cat(means), torch.cat(stds)
         self.masked_lat = torch.cat(masked)
         del self.images
@@ -122,7 +122,7 @@ class Curve:
         return (time.monotonic() - self._t0) / 60
 
 
-def _sobel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _differences(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x[..., 1:, :] - x[..., :-1, :], x[..., :, 1:] - x[..., :, :-1]
 
 
@@ -138,7 +138,7 @@ def train_vae(vae: Any, batches: Batches, cfg: TrainConfig, gen: torch.Generator
             post = vae.encode(images).latent_dist
             rec = vae.decode(post.sample(gen)).sample.float()
         loss = (rec - images).abs().mean()
-        for a, b in zip(_sobel(rec), _sobel(images), strict=True):
+        for a, b in zip(_differences(rec), _differences(images), strict=True):
             loss = loss + cfg.grad_weight * (a - b).abs().mean()
         loss = loss + cfg.kl_weight * post.kl().float().mean()
         opt.zero_grad(set_to_none=True)
