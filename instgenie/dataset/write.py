@@ -44,6 +44,20 @@ def edit_target(scene: scenes.Scene, rng: random.Random) -> scenes.Scene:
     return dataclasses.replace(scene, colour=colour, pattern=pattern, accent=accent)
 
 
+def scene_of(meta: dict) -> scenes.Scene:
+    """The scene of an entry's metadata line."""
+    d = meta["scene"]
+    return scenes.Scene(**{**d, "light": scenes.Light(**d["light"])})
+
+
+def edited_of(meta: dict) -> scenes.Scene:
+    """The scene an entry's edit prompt describes: its garment re-coloured as edit_target did."""
+    want = meta["edit"]["labels"]
+    accent = "black" if want["colour"] in ("white", "yellow", "pink") else "white"
+    return dataclasses.replace(scene_of(meta), colour=want["colour"], pattern=want["pattern"],
+                               accent=accent)  # fmt: skip
+
+
 def entry(seed: int, index: int, size: int) -> tuple[dict, np.ndarray, dict[str, np.ndarray]]:
     """(metadata line, image, masks by kind) of scene `index`."""
     s_seed = scene_seed(seed, index)

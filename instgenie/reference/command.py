@@ -32,7 +32,18 @@ def add_train_reference_parser(sub: argparse._SubParsersAction) -> None:
                    help="rendered pool (.npz): loaded when it exists, else rendered and saved "
                    "there")  # fmt: skip
     p.add_argument("--render-only", action="store_true", help="render --pool and stop")
-    p.add_argument("--scenes", type=int, default=16000, help="train-split scenes in the pool")
+    p.add_argument(
+        "--scenes",
+        type=int,
+        default=16000,
+        help="train-split scenes in the pool (each with its twin: twice the images)",
+    )
+    p.add_argument(
+        "--twins",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="render each scene's re-coloured twin (pool.py; edit training)",
+    )
     p.add_argument("--size", type=int, default=SIDE, help="image side, pixels")
     p.add_argument("--device", default="cuda")
     for f in dataclasses.fields(TrainConfig):
@@ -50,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pool is not None and args.pool.exists():
         pool = pool_mod.load(args.pool)
     else:
-        pool = pool_mod.render(args.scenes, args.size, args.seed)
+        pool = pool_mod.render(args.scenes, args.size, args.seed, twins=args.twins)
         if args.pool is not None:
             pool_mod.save(pool, args.pool)
     print(json.dumps({"pool": len(pool), "seconds": round(time.monotonic() - t0, 1)}),

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageFilter
 
-from instgenie.dataset import classifier, masks, scenes
+from instgenie.dataset import classifier, masks
 from instgenie.dataset.render import GARMENT, render
-from instgenie.dataset.write import entry
+from instgenie.dataset.write import edited_of, entry, scene_of
 from instgenie.engine.quality import psnr, region_psnr, ssim, ssim_map
 
 #: dataset seed of the evaluation scenes (the training pool is seed 0, train split only)
@@ -59,21 +59,13 @@ def cases(count: int, size: int = 256, seed: int = EVAL_SEED, max_ratio: float =
         kind = masks.KINDS[len(out) % len(masks.KINDS)]
         if meta["split"] != split or kind not in made or made[kind].mean() > max_ratio:
             continue
-        scene = _scene(meta["scene"])
-        _, labels = render(scene, size)
+        _, labels = render(scene_of(meta), size)
         want = meta["edit"]["labels"]
-        accent = "black" if want["colour"] in ("white", "yellow", "pink") else "white"
-        target = dataclasses.replace(scene, colour=want["colour"], pattern=want["pattern"],
-                                     accent=accent)  # fmt: skip
         wanted = {k: want[k] for k in classifier.TARGETS}
         out.append(Case(meta["id"], image, made[kind], kind, float(made[kind].mean()),
                         labels == GARMENT, meta["caption"], meta["edit"]["prompt"], wanted,
-                        render(target, size)[0]))  # fmt: skip
+                        render(edited_of(meta), size)[0]))  # fmt: skip
     return out
-
-
-def _scene(d: dict) -> scenes.Scene:
-    return scenes.Scene(**{**d, "light": scenes.Light(**d["light"])})
 
 
 def png(a: np.ndarray) -> bytes:

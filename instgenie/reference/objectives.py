@@ -13,7 +13,10 @@ conventions so that the adapters' inference reads the weights the way they were 
 
 A batch (train.Batches.latents): the image's VAE latents (a posterior sample) and the masked
 image's (posterior mean), both raw (unscaled, unshifted), (B, C, S/4, S/4); masks (B, 1, S, S)
-in {0, 1}; captions (B strings). The pool is encoded once by the trained, frozen VAE.
+in {0, 1}; captions (B strings); edit (B,) bool: rows whose unmasked pixels are the twin's
+(pool.py), whose loss counts only where the mask is (on the latent grid, grown by one cell),
+since outside it the context and the target disagree by construction. Each row's loss is its
+mean over the cells it counts. The pool is encoded once by the trained, frozen VAE.
 """
 
 from __future__ import annotations
@@ -24,14 +27,35 @@ import torch
 import torch.nn.functional as F
 
 
+def cell_weights(masks: torch.Tensor, edit: torch.Tensor | None,
+                 grid: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """(B, 1, *grid) weights: 1 everywhere for a plain row; for an edit row, 1 on the cells
+    the mask touches and their neighbours, 0 elsewhere."""
+    b = masks.shape[0]
+    ones = torch.ones((b, 1, *grid), device=masks.device)
+    if edit is None or not bool(edit.any()):
+        return ones
+    touched = F.max_pool2d(F.adaptive_max_pool2d(masks, grid), 3, stride=1, padding=1)
+    return torch.where(edit[:, None, None, None], touched, ones)
+
+
+def row_means(err: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(B,): each row's mean of err (B, 1, H, W) over the cells w (0 / 1) counts."""
+    return (err * w).sum(dim=(1, 2, 3)) / w.sum(dim=(1, 2, 3)).clamp_min(1.0)
+
+
 class SDXLObjective:
     def __init__(self, pipe: Any, uncond_p: float) -> None:
         self.pipe, self.uncond_p = pipe, uncond_p
         self.modules = [pipe.unet, pipe.text_encoder, pipe.text_encoder_2]
         self._alphas: torch.Tensor | None = None
+        w = pipe.unet.conv_in.weight  # the memory format train.py gave the UNet
+        self.format = (torch.channels_last if w.is_contiguous(memory_format=torch.channels_last)
+                       and not w.is_contiguous() else torch.contiguous_format)  # fmt: skip
 
     def loss(self, lat: torch.Tensor, masked: torch.Tensor, masks: torch.Tensor,
-             captions: list[str], gen: torch.Generator) -> torch.Tensor:  # fmt: skip
+             captions: list[str], gen: torch.Generator,
+             edit: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         pipe, dev = self.pipe, lat.device
         b, side = lat.shape[0], masks.shape[-1]
         sf = pipe.vae.config.scaling_factor
@@ -55,12 +79,13 @@ class SDXLObjective:
         noisy = a.sqrt() * latents + (1 - a).sqrt() * noise
         x = torch.cat([noisy, mask_lat, masked], dim=1)
         pred = pipe.unet(
-            x.contiguous(memory_format=torch.channels_last), t, encoder_hidden_states=pe,
+            x.contiguous(memory_format=self.format), t, encoder_hidden_states=pe,
             added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids.to(dev).repeat(b, 1)},
         ).sample  # fmt: skip
         snr = (a / (1 - a)).flatten()
         weight = torch.clamp(snr, max=5.0) / snr
-        per = ((pred.float() - noise) ** 2).mean(dim=(1, 2, 3))
+        err = ((pred.float() - noise) ** 2).mean(dim=1, keepdim=True)
+        per = row_means(err, cell_weights(masks, edit, tuple(err.shape[-2:])))
         return (weight * per).mean()
 
 
@@ -70,7 +95,8 @@ class FluxObjective:
         self.modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
 
     def loss(self, lat: torch.Tensor, masked: torch.Tensor, masks: torch.Tensor,
-             captions: list[str], gen: torch.Generator) -> torch.Tensor:  # fmt: skip
+             captions: list[str], gen: torch.Generator,
+             edit: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         pipe, dev = self.pipe, lat.device
         b, side = lat.shape[0], masks.shape[-1]
         vae, c = pipe.vae, pipe.vae.config.latent_channels
@@ -95,7 +121,9 @@ class FluxObjective:
             pooled_projections=pooled, encoder_hidden_states=pe, txt_ids=text_ids,
             img_ids=img_ids, return_dict=False,
         )[0]  # fmt: skip
-        return F.mse_loss(pred.float(), noise - x0)
+        err = ((pred.float() - (noise - x0)) ** 2).mean(dim=-1)  # (B, tokens), row-major grid
+        grid = (h // 2, w // 2)
+        return row_means(err.view(b, 1, *grid), cell_weights(masks, edit, grid)).mean()
 
 
 OBJECTIVES = {"sdxl-inpaint": SDXLObjective, "flux-fill": FluxObjective}

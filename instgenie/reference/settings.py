@@ -31,6 +31,8 @@ class TrainConfig:
     ema: float = 0.998
     #: share of samples whose mask is the whole image (text-to-image; as SD inpainting trains)
     full_mask_p: float = 0.2
+    #: share of masked samples shown their twin's unmasked pixels (pool.py: edit training)
+    edit_p: float = 0.5
     #: share of captions dropped (SDXL's unconditional row for CFG)
     uncond_p: float = 0.1
     #: stop each phase after this many minutes (0: no limit)
@@ -39,6 +41,13 @@ class TrainConfig:
     log_every: int = 50
     #: "bf16" (autocast on CUDA) or "fp32" (TF32 matmuls)
     amp: str = "bf16"
+    #: the UNet's activations on CUDA: "channels_last" (NHWC) or "contiguous" (NCHW)
+    memory_format: str = "channels_last"
+    #: the learning rate falls on a cosine from lr to lr * lr_final over the run (its progress:
+    #: the larger of steps done / steps and minutes spent / max_minutes); 1.0 keeps it constant
+    lr_final: float = 1.0
+    #: write the EMA weights to --out every this many minutes while training (0: at the end only)
+    checkpoint_minutes: float = 0.0
     #: a reference pipeline directory to continue from ("" = fresh weights); its VAE and latent
     #: scaling are kept (vae_steps is ignored) and its backbone and text towers train on
     init: str = ""

@@ -5,17 +5,21 @@ layout, with `training.json` (the settings, the loss curves, the device, the tim
 Seeded: the pool is write.entry(seed, i); initial weights, batches, masks, noise and timesteps
 come from generators seeded with `seed`. A GPU's kernels are not bit-reproducible, so a retrain
 reproduces the curves, not the bytes. `max_minutes` stops a phase early (the step reached is
-recorded); the learning rate is constant after warm-up, so any stopping point is a finished
-model (EMA weights).
+recorded); after warm-up the learning rate falls on a cosine to lr_final x lr over the steps or
+the minutes, whichever run out first (lr_final 1: constant). Any stopping point, and every
+checkpoint written on the way (checkpoint_minutes), is a finished model (EMA weights).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
+import math
 import platform
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -43,12 +47,15 @@ class Batches:
     with probability full_mask_p. Before the VAE is trained: images in [-1, 1] (`images`); after
     `encode(vae)`: the pool's latents (`latents`), the images dropped."""
 
-    def __init__(self, pool: Pool, device: torch.device, seed: int, full_mask_p: float) -> None:
+    def __init__(self, pool: Pool, device: torch.device, seed: int, full_mask_p: float,
+                 edit_p: float = 0.0) -> None:  # fmt: skip
         self.images = torch.from_numpy(pool.images).to(device)  # uint8 NHWC
         self.masks = torch.from_numpy(pool.masks).to(device)  # bool (N, kinds, S, S)
         self.captions = pool.captions
+        self.partners = None if pool.partners is None else torch.from_numpy(pool.partners)
         self.rng = np.random.default_rng(seed)
         self.full_mask_p = full_mask_p
+        self.edit_p = edit_p if pool.partners is not None else 0.0
         self.device = device
 
     def _pick(self, b: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,7 +81,12 @@ class Batches:
         """Encode the pool once: each image's posterior (mean, std) and each mask kind's masked
         image's posterior mean (masked = image * (mask < 0.5): zero where edited), fp16."""
         n, kinds = self.masks.shape[:2]
-        means, stds, masked = [], [], []
+        means, stds, masked, twins = [], [], [], []
+
+        def masked_latents(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+            return torch.stack([vae.encode(x * ~self.masks[i, k][:, None]).latent_dist.mean
+                                for k in range(kinds)], dim=1).half()  # fmt: skip
+
         for s in range(0, n, chunk):
             i = torch.arange(s, min(n, s + chunk), device=self.device)
             x = self._images(i)
@@ -82,26 +94,32 @@ class Batches:
                 post = vae.encode(x).latent_dist
                 means.append(post.mean.half())
                 stds.append(post.std.half())
-                per_kind = [vae.encode(x * ~self.masks[i, k][:, None]).latent_dist.mean.half()
-                            for k in range(kinds)]  # fmt: skip
-            masked.append(torch.stack(per_kind, dim=1))
+                masked.append(masked_latents(x, i))
+                if self.edit_p:  # the twin's pixels outside image i's masks
+                    twins.append(masked_latents(self._images(self.partners[i.cpu()]), i))
         with _autocast(self.device, amp):  # a whole-image mask leaves a zero image
             self.blank = vae.encode(torch.zeros_like(x[:1])).latent_dist.mean.half()[0]
         self.lat_mean, self.lat_std = torch.cat(means), torch.cat(stds)
         self.masked_lat = torch.cat(masked)
+        self.twin_lat = torch.cat(twins) if twins else None
         del self.images
 
     def latents(self, b: int, gen: torch.Generator):  # noqa: ANN201
         """(image latents: a posterior sample, masked-image latents, masks (B, 1, S, S) float,
-        captions): raw latents, float32."""
+        captions, edit (B,) bool): raw latents, float32. An edit row (share edit_p of the
+        masked rows) shows the twin's pixels outside the mask: its loss counts inside the mask
+        only (objectives.py), where the caption, not the context, says what to paint."""
         idx, i, k, full = self._pick(b)
         mean, std = self.lat_mean[i].float(), self.lat_std[i].float()
         lat = mean + std * torch.randn(mean.shape, device=self.device, generator=gen)
         masked = self.masked_lat[i, k].float()
+        edit = torch.from_numpy(self.rng.random(b) < self.edit_p).to(self.device) & ~full
+        if self.twin_lat is not None and bool(edit.any()):
+            masked[edit] = self.twin_lat[i[edit], k[edit]].float()
         masked[full] = self.blank.float()
         masks = self.masks[i, k][:, None].float()
         masks[full] = 1.0
-        return lat, masked, masks, [self.captions[j] for j in idx]
+        return lat, masked, masks, [self.captions[j] for j in idx], edit
 
 
 class Curve:
@@ -164,8 +182,37 @@ def latent_stats(vae: Any, batches: Batches, gen: torch.Generator, n: int = 256)
     return {"mean": float(z.mean()), "std": float(z.std())}
 
 
-def train_backbone(pipe: Any, batches: Batches, cfg: TrainConfig,
-                   gen: torch.Generator) -> dict:  # fmt: skip
+def lr_factor(cfg: TrainConfig, step: int, minutes: float) -> float:
+    """Linear warm-up over cfg.warmup steps, then a cosine from 1 to cfg.lr_final over the
+    run's progress (the larger of its share of steps and of max_minutes)."""
+    warm = min(1.0, step / cfg.warmup) if cfg.warmup else 1.0
+    progress = step / cfg.steps
+    if cfg.max_minutes:
+        progress = max(progress, minutes / cfg.max_minutes)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return warm * (cfg.lr_final + (1 - cfg.lr_final) * cosine)
+
+
+def _assign(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, v in zip(params, values, strict=True):
+            p.copy_(v.to(p.dtype))
+
+
+def checkpoint(pipe: Any, params: list[torch.Tensor], ema: list[torch.Tensor], out: Path,
+               progress: dict) -> None:  # fmt: skip
+    """Write the EMA weights as a finished model (fp16, diffusers layout) to `out` without
+    disturbing training: a copy of the pipeline takes them."""
+    live = [p.detach().clone() for p in params]
+    _assign(params, ema)
+    snapshot = copy.deepcopy(pipe)
+    _assign(params, live)
+    save(snapshot, out, {"checkpoint.json": json.dumps(progress) + "\n"})
+    log.info("checkpoint at step %d: %s", progress["step"], out)
+
+
+def train_backbone(pipe: Any, batches: Batches, cfg: TrainConfig, gen: torch.Generator,
+                   out: Path | None = None) -> dict:  # fmt: skip
     dev = batches.device
     objective = OBJECTIVES[cfg.family](pipe, cfg.uncond_p)
     params = [p for m in objective.modules for p in m.parameters()]
@@ -173,27 +220,30 @@ def train_backbone(pipe: Any, batches: Batches, cfg: TrainConfig,
         m.train().requires_grad_(True)
     ema = [p.detach().float().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
     curve = Curve(cfg.log_every)
-    step = 0
+    step, last_checkpoint = 0, 0.0
     for step in range(1, cfg.steps + 1):
-        lat, masked, masks, captions = batches.latents(cfg.batch, gen)
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * lr_factor(cfg, step, curve.elapsed_min())
+        lat, masked, masks, captions, edit = batches.latents(cfg.batch, gen)
         with _autocast(dev, cfg.amp):
-            loss = objective.loss(lat, masked, masks, captions, gen)
+            loss = objective.loss(lat, masked, masks, captions, gen, edit)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        sched.step()
         decay = min(cfg.ema, (1 + step) / (10 + step))
         with torch.no_grad():
             torch._foreach_lerp_(ema, [p.detach().float() for p in params], 1 - decay)
         curve.add(step, float(loss.detach()))
-        if cfg.max_minutes and curve.elapsed_min() >= cfg.max_minutes:
+        minutes = curve.elapsed_min()
+        if cfg.max_minutes and minutes >= cfg.max_minutes:
             break
-    with torch.no_grad():
-        for p, e in zip(params, ema, strict=True):
-            p.copy_(e.to(p.dtype))
+        if out is not None and cfg.checkpoint_minutes and \
+                minutes - last_checkpoint >= cfg.checkpoint_minutes:  # fmt: skip
+            checkpoint(pipe, params, ema, out, {"step": step, "curve": curve.points})
+            last_checkpoint = minutes
+    _assign(params, ema)
     for m in objective.modules:
         m.eval().requires_grad_(False)
     return {"steps": step, "curve": curve.points}
@@ -209,7 +259,7 @@ def train(cfg: TrainConfig, pool: Pool, out: Path, device: str = "cuda") -> dict
         torch.backends.cuda.enable_cudnn_sdp(False)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator(device=dev).manual_seed(cfg.seed)
-    batches = Batches(pool, dev, cfg.seed, cfg.full_mask_p)
+    batches = Batches(pool, dev, cfg.seed, cfg.full_mask_p, cfg.edit_p)
     t0 = time.monotonic()
     if cfg.init:
         pipe = configs.load_pipeline(cfg.family, cfg.init).to(dev)
@@ -226,18 +276,19 @@ def train(cfg: TrainConfig, pool: Pool, out: Path, device: str = "cuda") -> dict
             scaling["shift_factor"] = round(stats["mean"], 5)
         pipe.vae.register_to_config(**scaling)
     pipe.set_progress_bar_config(disable=True)
-    if dev.type == "cuda" and cfg.family == "sdxl-inpaint":
+    if dev.type == "cuda" and cfg.family == "sdxl-inpaint" and cfg.memory_format == "channels_last":
         # NHWC convolutions (cuDNN's fast path for bf16; decision 0004 for inference)
         pipe.unet.to(memory_format=torch.channels_last)
     vae_rec = reconstruction_psnr(pipe.vae, batches)
     t_enc = time.monotonic()
     batches.encode(pipe.vae, cfg.amp)
     encode_s = time.monotonic() - t_enc
-    backbone_log = train_backbone(pipe, batches, cfg, gen)
+    backbone_log = train_backbone(pipe, batches, cfg, gen, out)
     seconds = time.monotonic() - t0
     save(pipe, out)
     record = {
-        "family": cfg.family, "config": dataclasses.asdict(cfg), "pool_scenes": len(pool),
+        "family": cfg.family, "config": dataclasses.asdict(cfg), "pool_images": len(pool),
+        "pool_twins": pool.partners is not None,
         "side": int(pool.images.shape[1]), "vae": {**vae_log, "latents": stats, **scaling,
                                                    "reconstruction_psnr_db": vae_rec,
                                                    "pool_encode_s": round(encode_s, 1)},
@@ -263,9 +314,16 @@ def parameter_counts(pipe: Any) -> dict[str, int]:
             for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}  # fmt: skip
 
 
-def save(pipe: Any, out: Path) -> None:
+def save(pipe: Any, out: Path, files: dict[str, str] | None = None) -> None:
     """fp16 safetensors in diffusers layout (the VAE too: force_upcast is off, its activations
-    stay in range at 256 px)."""
-    out.mkdir(parents=True, exist_ok=True)
+    stay in range at 256 px), with `files` (name -> text) beside them. `out` is replaced whole,
+    so a reader never sees a half-written model."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     pipe.to(torch.device("cpu"), torch.float16)
-    pipe.save_pretrained(str(out), safe_serialization=True)
+    pipe.save_pretrained(str(tmp), safe_serialization=True)
+    for name, text in (files or {}).items():
+        (tmp / name).write_text(text)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFilter
 from safetensors import safe_open
 
 from instgenie.cli import main
@@ -85,3 +85,103 @@ def test_a_cpu_training_run_writes_an_fp16_pipeline_the_engine_edits_with(
     assert (got[mask == 0] == 120).all()  # pasted back
     assert not (got[mask == 255] == 120).all()  # painted
     Image.fromarray(got)  # a real image
+
+
+def test_a_twin_pool_pairs_each_scene_with_its_recoloured_edit() -> None:
+    """pool.render(twins=True): images 2j and 2j + 1 are one scene and its edit (write.edited_of):
+    same masks, same pixels outside the garment, another garment and caption."""
+    from instgenie.dataset.render import GARMENT, render
+    from instgenie.dataset.write import entry, scene_of
+    from instgenie.reference import pool
+
+    p = pool.render(3, 64, seed=0, workers=1)
+    assert len(p) == 6 and list(p.partners) == [1, 0, 3, 2, 5, 4]
+    for j in range(0, 6, 2):
+        assert (p.masks[j] == p.masks[j + 1]).all()
+        assert p.captions[j] != p.captions[j + 1]
+    meta, image, _ = next(
+        entry(0, i, 64) for i in range(50) if entry(0, i, 64)[0]["split"] == "train"
+    )
+    assert (p.images[0] == image).all() and p.captions[0] == meta["caption"]
+    assert p.captions[1] == meta["edit"]["prompt"]
+    garment = render(scene_of(meta), 64)[1] == GARMENT
+    near = np.asarray(Image.fromarray(garment).filter(ImageFilter.MaxFilter(5)))  # + edge blur
+    assert (p.images[0][~near] == p.images[1][~near]).all()
+    assert (p.images[0][garment] != p.images[1][garment]).any(-1).mean() > 0.5
+    plain = pool.render(3, 64, seed=0, workers=1, twins=False)
+    assert len(plain) == 3 and plain.partners is None and (plain.images[1] == p.images[2]).all()
+
+
+def test_edit_rows_see_the_twins_context_and_count_only_inside_the_mask() -> None:
+    """train.Batches with edit_p = 1: every masked row's masked-image latents are its twin's
+    (not its own), and objectives.cell_weights zeroes an edit row's loss outside the mask (grown
+    by one cell), so that a prediction error there changes nothing."""
+    import torch
+
+    from instgenie.reference import objectives, pool
+    from instgenie.reference.train import Batches
+
+    vae = configs.new_pipeline("sdxl-inpaint").vae.eval()
+    p = pool.render(4, 64, seed=0, workers=1)
+    gen = torch.Generator().manual_seed(0)
+    batches = Batches(p, torch.device("cpu"), 0, full_mask_p=0.0, edit_p=1.0)
+    batches.encode(vae, "fp32", chunk=4)
+    state = batches.rng.bit_generator.state
+    _, masked, _, _, edit = batches.latents(8, gen)
+    batches.rng.bit_generator.state = state
+    _, i, k, _ = batches._pick(8)  # the rows latents() drew
+    assert edit.all()
+    for r in range(8):
+        assert torch.equal(masked[r], batches.twin_lat[i[r], k[r]].float())
+    # where a mask leaves part of the garment visible, the twin's context is another one
+    assert not all(torch.equal(masked[r], batches.masked_lat[i[r], k[r]].float())
+                   for r in range(8))  # fmt: skip
+    plain = Batches(p, torch.device("cpu"), 0, full_mask_p=0.0, edit_p=0.0)
+    plain.encode(vae, "fp32", chunk=4)
+    assert plain.twin_lat is None and not plain.latents(8, gen)[-1].any()
+
+    m = torch.zeros(2, 1, 64, 64)
+    m[:, :, :16, :16] = 1
+    w = objectives.cell_weights(m, torch.tensor([True, False]), (8, 8))
+    assert w[1].sum() == 64  # a plain row counts every cell
+    assert w[0, 0, :3, :3].all() and w[0].sum() == 9  # 2 x 2 cells touched, grown by one
+    err = torch.rand(2, 1, 8, 8)
+    bumped = err.clone()
+    bumped[0, 0, 5:, 5:] += 100.0  # outside the edit row's cells
+    assert torch.equal(objectives.row_means(err, w)[0], objectives.row_means(bumped, w)[0])
+
+
+def test_the_learning_rate_warms_up_then_falls_on_a_cosine_by_steps_or_minutes() -> None:
+    from instgenie.reference.settings import TrainConfig
+    from instgenie.reference.train import lr_factor
+
+    cfg = TrainConfig("sdxl-inpaint", steps=1000, warmup=100, lr_final=0.1, max_minutes=10)
+    assert lr_factor(cfg, 50, 0.0) == pytest.approx(
+        0.5 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 0.05)))
+    )
+    assert lr_factor(cfg, 500, 0.0) == pytest.approx(0.55)  # half the steps
+    assert lr_factor(cfg, 10, 5.0) == pytest.approx(0.1 * 0.55)  # half the minutes, warming up
+    assert lr_factor(cfg, 1000, 0.0) == pytest.approx(0.1)
+    constant = TrainConfig("sdxl-inpaint", steps=1000, warmup=100)
+    assert lr_factor(constant, 700, 3.0) == 1.0
+
+
+def test_a_checkpoint_writes_the_ema_weights_and_leaves_training_untouched(tmp_path: Path) -> None:
+    import torch
+
+    from instgenie.reference.train import checkpoint
+
+    pipe = configs.load_pipeline("flux-fill", str(REF_ROOT / "flux-fill"))
+    pipe.to(torch.float32)
+    params = list(pipe.transformer.parameters())
+    live = [p.detach().clone() for p in params]
+    ema = [p.detach().clone() + 0.5 for p in params]
+    checkpoint(pipe, params, ema, tmp_path / "ck", {"step": 7, "curve": []})
+    assert all(torch.equal(p, q) for p, q in zip(params, live, strict=True))
+    assert json.loads((tmp_path / "ck" / "checkpoint.json").read_text())["step"] == 7
+    with safe_open(str(tmp_path / "ck" / "transformer" / "diffusion_pytorch_model.safetensors"),
+                   "pt") as f:  # fmt: skip
+        assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())
+    saved = configs.load_pipeline("flux-fill", str(tmp_path / "ck")).transformer
+    assert all(torch.equal(p, e.half().float())
+               for p, e in zip(saved.parameters(), ema, strict=True))  # fmt: skip
