@@ -5,11 +5,12 @@ Features (`features`) are hand-made and cheap, so the classifier trains in secon
 rendered scenes and needs no model stack: a hue x saturation x value histogram of the region's
 pixels (colour; the pattern's white or black accent shows as low saturation or low value), the
 share of accent-like pixels, the region's gradient energy along x and y and its autocorrelation
-at a few lags inside its bounding box (pattern), and the region's shape (its extent relative to
-the figure's: kind). One multinomial logistic regression per target (scikit-learn) is fitted on
-standardised features; the weights are plain numbers in JSON (no pickle), and prediction is
-numpy only. Training renders are augmented (blur, noise, brightness) so that the classifier also
-reads a generated image, which is softer than a rendering.
+at a few lags inside its bounding box, how its off-colour pixels fill rows and columns
+(pattern), and the region's shape (its extent relative to the figure's: kind). One multinomial
+logistic regression per target (scikit-learn) is fitted on standardised features; the weights
+are plain numbers in JSON (no pickle), and prediction is numpy only. Training renders are
+augmented (blur, noise, brightness) so that the classifier also reads a generated image, which
+is softer than a rendering; most are read inside a mask, as an edit's region is.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageFilter
 
-from instgenie.dataset import scenes, vocab
+from instgenie.dataset import masks, scenes, vocab
 from instgenie.dataset.render import GARMENT, render
 
 #: the committed weights (`instgenie train-classifier --out instgenie/dataset/classifier.json`,
-#: defaults: 3,000 scenes at 128 px, seed 0)
+#: defaults: 3,000 scenes at 256 px, seed 0, 60 % read inside a mask)
 DEFAULT_WEIGHTS = Path(__file__).with_name("classifier.json")
 TARGETS = {"colour": tuple(vocab.COLOURS), "pattern": vocab.PATTERNS, "garment": vocab.GARMENTS}
-FEATURES_VERSION = 1
+FEATURES_VERSION = 2
 HUE_BINS, SAT_BINS, VAL_BINS = 12, 3, 3
 LAGS = (2, 3, 4, 6, 8)  # autocorrelation lags, fraction of the region's height / 64
 
@@ -67,7 +68,28 @@ def features(image: np.ndarray, region: np.ndarray) -> np.ndarray:
         acf.append(float((grey[:, k:] * grey[:, :-k]).mean()) if grey.shape[1] > k else 0.0)
     shape = np.array([(y1 - y0) / n, (x1 - x0) / n, region.mean() / max(1e-9, inside.mean())])
     return np.concatenate([hist, accent, base, chroma, [gy, gx, gy - gx], acf, shape,
-                           [inside.mean()]])  # fmt: skip
+                           [inside.mean()], _profiles(image, region, y0, y1, x0, x1)])  # fmt: skip
+
+
+def _profiles(image: np.ndarray, region: np.ndarray, y0: int, y1: int, x0: int,
+              x1: int) -> np.ndarray:  # fmt: skip
+    """How the region's off-colour pixels (far from its median colour: a pattern's accent) lie
+    in rows and in columns: stripes fill whole rows, a check fills rows and columns, dots fill
+    neither. Per row (and per column) with enough region pixels, the share of off-colour
+    pixels; the features are the shares' quantiles and spread, and the off-colour share."""
+    rgb = image[y0:y1, x0:x1].astype(np.float64) / 255.0
+    inside = region[y0:y1, x0:x1]
+    median = np.median(rgb[inside], axis=0)
+    off = (np.linalg.norm(rgb - median, axis=-1) / np.sqrt(3) > 0.18) & inside
+    out = [float(off.sum() / inside.sum())]
+    for axis in (1, 0):  # rows, then columns
+        count = inside.sum(axis=axis)
+        share = off.sum(axis=axis)[count >= 3] / count[count >= 3]
+        if share.size == 0:
+            share = np.zeros(1)
+        out += [float(np.quantile(share, 0.5)), float(np.quantile(share, 0.9)),
+                float(share.std())]  # fmt: skip
+    return np.array(out)
 
 
 @dataclass(frozen=True)
@@ -112,9 +134,11 @@ def _augment(image: np.ndarray, rng: random.Random) -> np.ndarray:
     return np.clip(out, 0, 255).astype(np.uint8)
 
 
-def samples(count: int, size: int, seed: int, split: str | None = None, augment: bool = True):
+def samples(count: int, size: int, seed: int, split: str | None = None, augment: bool = True,
+            partial: float = 0.0):  # fmt: skip
     """(features, labels) of `count` rendered scenes of `split` ("train", "eval", None: both),
-    the region being each scene's garment."""
+    the region being each scene's garment, or with probability `partial` the garment inside a
+    mask of a random kind (masks.py), as an edit's region is read."""
     rng = random.Random(seed)
     X, Y = [], []
     i = 0
@@ -124,19 +148,30 @@ def samples(count: int, size: int, seed: int, split: str | None = None, augment:
         if split is not None and scene.split != split:
             continue
         image, labels = render(scene, size)
+        region = labels == GARMENT
+        if rng.random() < partial:
+            try:
+                made = masks.make(rng.choice(masks.KINDS), labels,
+                                  np.random.default_rng(seed * 7919 + i))  # fmt: skip
+            except masks.MaskError:
+                continue
+            if (region & made).sum() >= max(16, region.sum() // 8):
+                region = region & made
         if augment:
             image = _augment(image, rng)
-        X.append(features(image, labels == GARMENT))
+        X.append(features(image, region))
         Y.append({t: getattr(scene, t) for t in TARGETS})
     return np.array(X), Y
 
 
-def train(count: int = 2000, size: int = 128, seed: int = 0) -> RegionClassifier:
+def train(count: int = 2000, size: int = 128, seed: int = 0,
+          partial: float = 0.6) -> RegionClassifier:  # fmt: skip
     """Fit on `count` augmented renders of both splits (the classifier judges held-out
-    colour x pattern combinations too: each colour and each pattern is learnt on its own)."""
+    colour x pattern combinations too: each colour and each pattern is learnt on its own), a
+    share `partial` of them read inside a mask as edits are."""
     from sklearn.linear_model import LogisticRegression
 
-    X, Y = samples(count, size, seed)
+    X, Y = samples(count, size, seed, partial=partial)
     mean, scale = X.mean(0), X.std(0) + 1e-6
     Z = (X - mean) / scale
     weights = {}

@@ -25,7 +25,7 @@ def add_dataset_parser(sub: argparse._SubParsersAction) -> None:
     )
     c.add_argument("--out", type=Path, required=True, help="weights JSON to write")
     c.add_argument("--count", type=int, default=3000, help="training scenes")
-    c.add_argument("--size", type=int, default=128, help="image side, pixels")
+    c.add_argument("--size", type=int, default=256, help="image side, pixels")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--test-count", type=int, default=400, help="fresh scenes per split to score")
     c.set_defaults(func=run_train_classifier)

@@ -133,11 +133,11 @@ def test_the_dataset_command_writes_images_masks_and_metadata(tmp_path: Path) ->
 # ---- the region classifier -------------------------------------------------------------------
 def test_the_committed_classifier_reads_held_out_renders() -> None:
     """instgenie/dataset/classifier.json on fresh renders of held-out colour x pattern
-    combinations (measured at commit: colour 100 %, pattern 97 %, kind 98 % on 400; bounds
-    below leave room for a 60-scene draw)."""
+    combinations at the reference models' 256 px (measured at commit: colour 100 %, pattern
+    100 %, kind 96.5 % on 400; 100 / 100 / 93 % on these 60; bounds leave room for the draw)."""
     clf = classifier.RegionClassifier.load(classifier.DEFAULT_WEIGHTS)
-    scores = classifier.accuracy(clf, 60, 128, 11, "eval")
-    assert scores["colour"] >= 0.95 and scores["pattern"] >= 0.85 and scores["garment"] >= 0.85
+    scores = classifier.accuracy(clf, 60, 256, 11, "eval")
+    assert scores["colour"] >= 0.95 and scores["pattern"] >= 0.95 and scores["garment"] >= 0.85
 
 
 def test_the_classifier_reads_the_region_not_the_scene() -> None:

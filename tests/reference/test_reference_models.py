@@ -3,18 +3,20 @@ path and edit; on a fixed held-out set the masked path stays close to the full p
 edits read as the prompt asked; a cache whose rows are shifted by one token breaks those bounds.
 
 Bounds: the first four evaluate.cases (held-out scenes and prompts), 10 steps, CPU float32, the
-family's default guidance; masked against full after paste-back. Measured at 0ae9ca6+issue 27
-(the 24-case, 20-step figures are in docs/benchmarks/quality.md):
+family's default guidance; masked against full after paste-back. Measured with the run-6
+weights and the second classifier (the 24-case, 20-step figures are in
+docs/benchmarks/quality.md):
 
                     SSIM whole (bound)   SSIM in mask (bound)   colour read (bound)
-  sdxl-inpaint:ref  0.971 (0.95)         0.869 (0.80)           2 of 4 (1 of 4)
-  flux-fill:ref     0.991 (0.98)         0.967 (0.95)           3 of 4 (2 of 4)
+  sdxl-inpaint:ref  0.983 (0.95)         0.926 (0.85)           2 of 4 (1 of 4)
+  flux-fill:ref     0.990 (0.98)         0.962 (0.95)           3 of 4 (2 of 4)
   rows shifted by one token:
-  sdxl-inpaint:ref  0.916                0.633
-  flux-fill:ref     0.983                0.932
+  sdxl-inpaint:ref  0.917                0.615
+  flux-fill:ref     0.970                0.880
 
-The shifted cache leaves the colour the classifier reads as it was (the masked tokens are
-computed; their context is what moves), so the corruption test asserts the in-mask SSIM bound.
+The shifted cache does not move the colour the classifier reads in a way a bound can hold (the
+masked tokens are computed; their context is what moves: SDXL reads 3 of 4 shifted against 2 of
+4, Flux 3 of 4 either way), so the corruption test asserts the in-mask SSIM bound.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ STEPS = 10
 CASES = 4
 #: measured (10 steps, 4 cases): see the module docstring; bounds sit below the measurements
 SSIM_BOUND = {"sdxl-inpaint": 0.95, "flux-fill": 0.98}
-MASK_SSIM_BOUND = {"sdxl-inpaint": 0.80, "flux-fill": 0.95}
+MASK_SSIM_BOUND = {"sdxl-inpaint": 0.85, "flux-fill": 0.95}
 COLOUR_BOUND = {"sdxl-inpaint": 0.25, "flux-fill": 0.5}
 
 
@@ -91,6 +93,15 @@ def test_a_reference_model_edits_close_to_its_full_path_and_as_asked(family, cas
 def test_cached_rows_shifted_by_one_token_fail_the_bounds(family, cases, clf) -> None:
     _, in_mask, _, rows = _measure(family, cases, clf, store=ShiftedStore("cpu"))
     assert in_mask < MASK_SSIM_BOUND[family], rows
+
+
+def test_the_classifier_reads_every_exact_target_inside_its_mask(clf) -> None:
+    """The ceiling of the adherence figures: each case's edit rendered exactly, read where the
+    benchmark reads an edit (the template's garment inside the mask: often part of it), gives
+    the asked colour and pattern (the first classifier read 71 % of patterns, no "checked")."""
+    for case in evaluate.cases(12, split="eval") + evaluate.cases(6, split="train"):
+        hit = evaluate.adherence(clf, case.target, case)
+        assert all(hit.values()), (case.id, case.kind, case.want, hit)
 
 
 def test_ref_specs_parse_and_work_at_256_pixels() -> None:
