@@ -32,6 +32,8 @@ GRAPH_MODES = ("all", "masked", "off")
 CAPTURE_POLICIES = ("auto", "always")
 #: ExecConfig.fused_* values (engine/kernels.py kernel_enabled)
 KERNEL_MODES = ("auto", "on", "off")
+#: ExecConfig.png_compression values (engine/imageio.py PNG_SETTINGS)
+PNG_COMPRESSION = ("fast", "default", "small")
 
 
 def _switch(default: typing.Any, env: str, choices: tuple[str, ...] | None = None) -> typing.Any:
@@ -41,7 +43,8 @@ def _switch(default: typing.Any, env: str, choices: tuple[str, ...] | None = Non
 
 @dataclass(frozen=True)
 class ExecConfig:
-    """How the model executes: attention kernel, memory layout, CUDA graphs, fused kernels. Set
+    """How the model executes: attention kernel, memory layout, CUDA graphs, fused kernels, the
+    output's PNG compression. Set
     once at start (a flag, else its INSTGENIE_* variable, else the default) and fixed for the
     process; every process of a worker gets it in its config. None of these changes what an edit
     computes beyond a kernel's documented rounding (decisions 0004, 0011, 0013-0015, 0020)."""
@@ -72,6 +75,9 @@ class ExecConfig:
     #: Conv2d biases added by a vectorised Triton kernel: "auto" (on CUDA) | "on" | "off"
     #: (torch's biased convolution) (decision 0015)
     fused_conv_bias: str = _switch("auto", "INSTGENIE_FUSED_CONV_BIAS", KERNEL_MODES)
+    #: PNG outputs' zlib effort: "fast" (level 1, run-length matching) | "default" (Pillow's
+    #: level 6) | "small" (9); lossless, only the bytes and the encode time differ (decision 0040)
+    png_compression: str = _switch("fast", "INSTGENIE_PNG_COMPRESSION", PNG_COMPRESSION)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -13,6 +13,7 @@ import io
 import os
 import re
 import warnings
+import zlib
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -22,6 +23,10 @@ from instgenie.engine.sizing import pixel_hint, too_many_pixels
 from instgenie.errors import TooManyPixelsError, ValidationError
 
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
+#: ExecConfig.png_compression -> (zlib level, zlib strategy; -1: zlib's default) of a PNG
+#: output. "fast" is level 1 with run-length matching (Z_RLE): after PNG's row filters it comes
+#: within 1 % of level 6's bytes at level 1's speed (decision 0040, docs/benchmarks/png-encoding.md)
+PNG_SETTINGS = {"fast": (1, zlib.Z_RLE), "default": (6, -1), "small": (9, -1)}
 
 #: the pid of a process that must never decode or encode images (a worker's denoise loop sets
 #: it: codec work there would stall every request of the running batch)
@@ -159,8 +164,9 @@ def paste_back(generated: Image.Image, original: Image.Image, mask: Image.Image)
     return Image.composite(generated.convert("RGB"), original.convert("RGB"), mask)
 
 
-def encode_image(img: Image.Image, output_format: str, quality: int = 95) -> bytes:
-    """Encode to PNG/JPEG/WebP bytes."""
+def encode_image(img: Image.Image, output_format: str, quality: int = 95,
+                 png_compression: str = "fast") -> bytes:  # fmt: skip
+    """Encode to PNG/JPEG/WebP bytes; a PNG with PNG_SETTINGS[png_compression] (ExecConfig)."""
     _check_codec_allowed("encoding")
     fmt = OUTPUT_FORMATS.get(output_format.lower())
     if fmt is None:
@@ -168,6 +174,10 @@ def encode_image(img: Image.Image, output_format: str, quality: int = 95) -> byt
             "output_format", f"{output_format!r} is not one of {sorted(set(OUTPUT_FORMATS))}"
         )
     buf = io.BytesIO()
-    kwargs = {"quality": quality} if fmt in ("JPEG", "WEBP") else {}
+    if fmt == "PNG":
+        level, strategy = PNG_SETTINGS[png_compression]
+        kwargs = {"compress_level": level, "compress_type": strategy}
+    else:
+        kwargs = {"quality": quality}
     img.convert("RGB").save(buf, format=fmt, **kwargs)
     return buf.getvalue()

@@ -422,7 +422,11 @@ class EditPipeline:
             img = paste_back(img, original, mask)
         return EditResult(
             uid=state.uid,
-            data=encode_image(img, state.request.output_format),
+            data=encode_image(
+                img,
+                state.request.output_format,
+                png_compression=self.family.execution.png_compression,
+            ),
             output_format=state.request.output_format.lower(),
             image=img,
             mask_ratio=mask_ratio(mask),
