@@ -38,16 +38,11 @@ def run(pipe: EditPipeline, case_list: list[evaluate.Case], steps: int,
     from PIL import Image
 
     from instgenie.engine.imageio import paste_back
-    from instgenie.engine.request import EditRequest
 
     outs = []
     for i, case in enumerate(case_list):
+        res = pipe.run([evaluate.edit_request(case, steps, guidance, seed=1 + i)])[0]
         mask = Image.fromarray(case.mask.astype(np.uint8) * 255)
-        req = EditRequest(uid=case.id, image=evaluate.png(case.image),
-                          mask=evaluate.png(np.asarray(mask)), prompt=case.prompt, seed=1 + i,
-                          num_inference_steps=steps, guidance_scale=guidance,
-                          paste_back=False)  # fmt: skip
-        res = pipe.run([req])[0]
         outs.append(np.asarray(paste_back(res.image, Image.fromarray(case.image), mask)))
     return outs
 
@@ -67,7 +62,9 @@ def score(clf: classifier.RegionClassifier, case_list: list[evaluate.Case],
     for k in sorted({r[0] for r in rows}):
         sel = [r for r in rows if r[0] == k]
         by_kind[k] = {"cases": len(sel), "full": acc(sel, 1), "target": acc(sel, 2)}
-    return {"cases": len(rows), "full": acc(rows, 1), "target": acc(rows, 2), "by_kind": by_kind}
+    cases = [{"id": c.id, "kind": r[0], "full": r[1]} for c, r in zip(case_list, rows, strict=True)]
+    return {"cases": len(rows), "full": acc(rows, 1), "target": acc(rows, 2), "by_kind": by_kind,
+            "rows": cases}  # fmt: skip
 
 
 def main() -> int:

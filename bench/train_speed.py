@@ -20,8 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from instgenie.reference import configs, pool  # noqa: E402
-from instgenie.reference.objectives import OBJECTIVES  # noqa: E402
-from instgenie.reference.train import Batches, _autocast  # noqa: E402
+from instgenie.reference.train import BackboneStep, Batches  # noqa: E402
 
 VARIANTS = {
     "sdxl-inpaint": [("fp32", "channels_last"), ("fp32", "contiguous"),
@@ -31,40 +30,27 @@ VARIANTS = {
 
 
 def measure(family: str, init: Path, scenes: pool.Pool, amp: str, memory_format: str,
-            batch: int, steps: int, profile: bool) -> dict:  # fmt: skip
-    dev = torch.device("cuda")
+            batch: int, steps: int, profile: bool, device: str = "cuda") -> dict:  # fmt: skip
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     pipe = configs.load_pipeline(family, str(init)).to(dev, torch.float32)
     if family == "sdxl-inpaint" and memory_format == "channels_last":
         pipe.unet.to(memory_format=torch.channels_last)
     batches = Batches(scenes, dev, 0, 0.2, 0.5)
     batches.encode(pipe.vae, amp)
-    objective = OBJECTIVES[family](pipe, 0.1)
-    params = [p for m in objective.modules for p in m.parameters()]
-    for m in objective.modules:
-        m.train().requires_grad_(True)
-    ema = [p.detach().float().clone() for p in params]
-    opt = torch.optim.AdamW(params, lr=1e-5)
+    step_once = BackboneStep(pipe, family, 0.1, lr=1e-5)
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def step() -> None:
-        lat, masked, masks, captions, edit = batches.latents(batch, gen)
-        with _autocast(dev, amp):
-            loss = objective.loss(lat, masked, masks, captions, gen, edit)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach().float() for p in params], 0.002)
-        float(loss.detach())  # train.py reads the loss every step
+        step_once(batches, batch, amp, gen, lr=1e-5, ema_decay=0.998)
 
     for _ in range(5):
         step()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    sync()
     rate = steps / (time.perf_counter() - t0)
     row = {"family": family, "amp": amp, "memory_format": memory_format, "batch": batch,
            "steps_per_s": round(rate, 2), "samples_per_s": round(rate * batch, 1)}  # fmt: skip
@@ -75,7 +61,7 @@ def measure(family: str, init: Path, scenes: pool.Pool, amp: str, memory_format:
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             for _ in range(3):
                 step()
-            torch.cuda.synchronize()
+            sync()
         print(p.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
     return row
 
@@ -89,6 +75,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--best", type=Path, default=None)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run (no timing worth reading)")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -99,7 +86,7 @@ def main() -> int:
         rows = []
         for i, (amp, fmt) in enumerate(VARIANTS[family]):
             rows.append(measure(family, args.init_root / family, scenes, amp, fmt, args.batch,
-                                args.steps, args.profile and i == 0))  # fmt: skip
+                                args.steps, args.profile and i == 0, args.device))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
         top = max(rows, key=lambda r: r["steps_per_s"])
         best[family] = {"amp": top["amp"], "memory_format": top["memory_format"]}

@@ -124,21 +124,28 @@ class Outputs:
     compute_all: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
+def edit_request(case: Case, steps: int, guidance: float | None, seed: int):  # noqa: ANN201
+    """The case's edit as a full-path EditRequest (its image and mask; not pasted back)."""
+    from instgenie.engine.request import EditRequest
+
+    return EditRequest(uid=case.id, image=png(case.image),
+                       mask=png(case.mask.astype(np.uint8) * 255), prompt=case.prompt, seed=seed,
+                       num_inference_steps=steps, guidance_scale=guidance,
+                       paste_back=False)  # fmt: skip
+
+
 def run_case(pipes: dict, case: Case, steps: int, guidance: float | None, seed: int) -> Outputs:
     """Full path on the first pipe; masked path on each (one pipe per cache variant: they share
     the family, their stores differ). Each template is captured into its pipe's store first."""
     from dataclasses import replace
 
     from instgenie.engine.imageio import paste_back
-    from instgenie.engine.request import EditRequest
     from instgenie.engine.templates import TemplateSpec
 
     image, mask = Image.fromarray(case.image), Image.fromarray(case.mask.astype(np.uint8) * 255)
     spec = TemplateSpec(image=png(case.image), prompt=case.caption, seed=TEMPLATE_SEED,
                         num_inference_steps=steps, guidance_scale=guidance)  # fmt: skip
-    req = EditRequest(uid=case.id, image=png(case.image), mask=png(np.asarray(mask)),
-                      prompt=case.prompt, seed=seed, num_inference_steps=steps,
-                      guidance_scale=guidance, paste_back=False)  # fmt: skip
+    req = edit_request(case, steps, guidance, seed)
     first = next(iter(pipes.values()))
     full_raw = first.run([req])[0].image
     masked_raw, compute_all = {}, {}

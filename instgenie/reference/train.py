@@ -211,41 +211,61 @@ def checkpoint(pipe: Any, params: list[torch.Tensor], ema: list[torch.Tensor], o
     log.info("checkpoint at step %d: %s", progress["step"], out)
 
 
+class BackboneStep:
+    """The backbone and text towers in training: one call is one optimizer step (the family's
+    objective on a batch of `batches`, backward, clipping, AdamW) and the EMA update. What
+    train_backbone repeats and bench/train_speed.py times."""
+
+    def __init__(self, pipe: Any, family: str, uncond_p: float, lr: float) -> None:
+        self.objective = OBJECTIVES[family](pipe, uncond_p)
+        self.params = [p for m in self.objective.modules for p in m.parameters()]
+        for m in self.objective.modules:
+            m.train().requires_grad_(True)
+        self.ema = [p.detach().float().clone() for p in self.params]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.99), weight_decay=0.01)
+
+    def __call__(self, batches: Batches, batch: int, amp: str, gen: torch.Generator,
+                 lr: float, ema_decay: float) -> float:  # fmt: skip
+        """One step at learning rate `lr`; the batch's loss."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        lat, masked, masks, captions, edit = batches.latents(batch, gen)
+        with _autocast(batches.device, amp):
+            loss = self.objective.loss(lat, masked, masks, captions, gen, edit)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        with torch.no_grad():
+            live = [p.detach().float() for p in self.params]
+            torch._foreach_lerp_(self.ema, live, 1 - ema_decay)
+        return float(loss.detach())
+
+    def finish(self) -> None:
+        """The EMA weights into the modules, which leave training."""
+        _assign(self.params, self.ema)
+        for m in self.objective.modules:
+            m.eval().requires_grad_(False)
+
+
 def train_backbone(pipe: Any, batches: Batches, cfg: TrainConfig, gen: torch.Generator,
                    out: Path | None = None) -> dict:  # fmt: skip
-    dev = batches.device
-    objective = OBJECTIVES[cfg.family](pipe, cfg.uncond_p)
-    params = [p for m in objective.modules for p in m.parameters()]
-    for m in objective.modules:
-        m.train().requires_grad_(True)
-    ema = [p.detach().float().clone() for p in params]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.01)
+    step_once = BackboneStep(pipe, cfg.family, cfg.uncond_p, cfg.lr)
     curve = Curve(cfg.log_every)
     step, last_checkpoint = 0, 0.0
     for step in range(1, cfg.steps + 1):
-        for group in opt.param_groups:
-            group["lr"] = cfg.lr * lr_factor(cfg, step, curve.elapsed_min())
-        lat, masked, masks, captions, edit = batches.latents(cfg.batch, gen)
-        with _autocast(dev, cfg.amp):
-            loss = objective.loss(lat, masked, masks, captions, gen, edit)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        lr = cfg.lr * lr_factor(cfg, step, curve.elapsed_min())
         decay = min(cfg.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach().float() for p in params], 1 - decay)
-        curve.add(step, float(loss.detach()))
+        curve.add(step, step_once(batches, cfg.batch, cfg.amp, gen, lr, decay))
         minutes = curve.elapsed_min()
         if cfg.max_minutes and minutes >= cfg.max_minutes:
             break
         if out is not None and cfg.checkpoint_minutes and \
                 minutes - last_checkpoint >= cfg.checkpoint_minutes:  # fmt: skip
-            checkpoint(pipe, params, ema, out, {"step": step, "curve": curve.points})
+            checkpoint(pipe, step_once.params, step_once.ema, out,
+                       {"step": step, "curve": curve.points})  # fmt: skip
             last_checkpoint = minutes
-    _assign(params, ema)
-    for m in objective.modules:
-        m.eval().requires_grad_(False)
+    step_once.finish()
     return {"steps": step, "curve": curve.points}
 
 
