@@ -188,6 +188,34 @@ OVERSIZE_POLICIES = ("refuse", "resize")
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Per-request LoRA adapters (instgenie/lora): where registered files live, limits, caches."""
+
+    #: directory of registered LoRA files (<sha256>.safetensors, written by the API, read by
+    #: every worker of the host); "" = "loras" beside the server's state (under the cache root)
+    lora_dir: str = ""
+    #: largest rank a LoRA layer may have; larger files are refused (lora_rank_too_large)
+    lora_max_rank: int = 128
+    #: most LoRAs one edit may name
+    lora_max_per_request: int = 4
+    #: device memory the loop keeps loaded adapters in (LRU, adapters in use are kept), bytes
+    lora_gpu_bytes: int = 2 << 30
+    #: host memory each model process keeps parsed adapters in (LRU), bytes
+    lora_host_bytes: int = 8 << 30
+    #: bounded asynchronous loading (Katz / SwiftDiffusion): an edit whose adapter is still
+    #: loading runs at most this many steps without it, then waits; 0 = wait from the start
+    lora_async_steps: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("lora_max_rank", "lora_max_per_request"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("lora_gpu_bytes", "lora_host_bytes", "lora_async_steps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """One worker = one GPU: supervisor, denoise loop, pre/post-processing processes."""
 
@@ -252,6 +280,8 @@ class WorkerConfig:
     #: fitted latency profile (JSON, `instgenie profile`) for the per-step load planner; ""
     #: = no planner (every cached block is loaded)
     profile: str = ""
+    #: per-request LoRA adapters
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if self.model_stages not in ("loop", "process"):

@@ -52,3 +52,42 @@ class BatchError(InstGenIEError):
     """Requests that cannot share one denoising batch (e.g. different latent resolutions)."""
 
     code = "batch_error"
+
+
+class LoraError(ValidationError):
+    """A LoRA file or reference that cannot be used; nothing is loaded or registered. Maps to
+    422 (lora_not_found: 404). `field` is "file" for the file itself, "loras" for a request's
+    list."""
+
+    code = "lora_invalid"
+
+
+class LoraFileError(LoraError):
+    """Not a readable safetensors LoRA (corrupt bytes, no LoRA pairs, a pair missing a half)."""
+
+    code = "lora_invalid_file"
+
+
+class LoraBaseMismatch(LoraError):
+    """The LoRA names layers this model has with other shapes: made for another base model."""
+
+    code = "lora_wrong_base"
+
+
+class LoraUnknownKeys(LoraError):
+    """The LoRA names layers the model does not have (or layer kinds this server does not adapt:
+    convolutions, DoRA magnitudes)."""
+
+    code = "lora_unknown_keys"
+
+
+class LoraRankTooLarge(LoraError):
+    """A layer's rank exceeds LoraConfig.max_rank."""
+
+    code = "lora_rank_too_large"
+
+
+class LoraNotFound(LoraError):
+    """An edit names a LoRA id that is not registered. Maps to 404."""
+
+    code = "lora_not_found"

@@ -36,6 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from instgenie.engine.graphs import StepGraphs
+from instgenie.lora import apply as lora_apply
 
 #: pipeline attributes that hold text towers
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
@@ -68,6 +69,8 @@ class GraphedForward:
         return out
 
     def eligible(self, args: tuple, kwargs: dict[str, Any]) -> bool:
+        if lora_apply.current() is not None:  # a request's text LoRAs: hooks run eagerly
+            return False
         graphs = self.graphs
         if torch.is_grad_enabled() or not graphs.eligible(None, None, []):
             return False

@@ -36,7 +36,10 @@ from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.sizing import pixel_hint, resolve_limits, working_size
 from instgenie.engine.step_pricing import StepPricer
 from instgenie.engine.templates import TemplateRecord, TemplateSpec, template_key
-from instgenie.errors import TooManyPixelsError, ValidationError
+from instgenie.errors import LoraNotFound, TooManyPixelsError, ValidationError
+from instgenie.lora.apply import LoraBatch, use_lora
+from instgenie.lora.gate import LoraUse
+from instgenie.lora.store import AdapterStore, check_refs
 from instgenie.messages import CacheOutcome, Path, Tier
 from instgenie.scheduler.fits import Profile
 from instgenie.scheduler.step import GraphUse, StepPlan, members_of
@@ -92,6 +95,10 @@ class EditPipeline:
         self.templates: dict[str, TemplateRecord] = {}
         #: the fitted latency profile (engine.costspec.cost_spec prices with it), or None
         self.profile = profile
+        #: the adapters of edits that name LoRAs (attach_loras); None = LoRAs are refused
+        self.loras: AdapterStore | None = None
+        #: bounded asynchronous loading: steps an edit may run before its adapters arrive
+        self.lora_async_steps = 0
         #: with a fitted profile, the load planner picks the blocks that compute all tokens in
         #: each step's plan, priced with this worker's own CostSpec (the one its loop sends to
         #: the router)
@@ -133,6 +140,13 @@ class EditPipeline:
             )
         if not 0.0 < float(req.strength) <= 1.0:
             raise ValidationError("strength", f"must be in (0, 1], got {req.strength!r}")
+        refs = getattr(req, "loras", ())
+        if refs:
+            if self.loras is None:
+                raise ValidationError("loras", "this model process serves no LoRAs")
+            for lora_id, _ in check_refs(refs, self.loras.cfg.lora_max_per_request):
+                if not self.loras.exists(lora_id):
+                    raise LoraNotFound("loras", f"no LoRA {lora_id[:12]} is registered")
 
     def validate(self, req: EditRequest) -> tuple[Image.Image, Image.Image, int, int]:
         """Check every field; decode image and mask. Returns (image, mask, height, width)."""
@@ -286,13 +300,46 @@ class EditPipeline:
         return inputs
 
     def encode_inputs(self, inputs: DecodedInputs) -> RequestState:
-        """Pre-processing's model half: prompt encoding, VAE encoding, initial noise."""
-        with torch.inference_mode():
+        """Pre-processing's model half: prompt encoding (with the request's text-encoder
+        LoRAs), VAE encoding, initial noise. Starts loading its backbone LoRAs."""
+        use = self._lora_use(inputs.request)
+        text = None
+        if use is not None and use.text:
+            text = LoraBatch.uniform_for(use.text, self.family.device, self.family.dtype)
+        with torch.inference_mode(), use_lora(text):
             state = self.family.prepare(
                 inputs.request, inputs.work_image, inputs.work_mask, inputs.height, inputs.width
             )
         state.original_image, state.original_mask = inputs.image, inputs.mask
+        state.lora = use
         return state
+
+    # ---- LoRA ----------------------------------------------------------------------------------
+    def attach_loras(self, store: AdapterStore, async_steps: int = 0) -> None:
+        self.loras, self.lora_async_steps = store, async_steps
+
+    def _lora_use(self, req: EditRequest) -> LoraUse | None:
+        if not req.loras:
+            return None
+        assert self.loras is not None, "validated: _check_fields"
+        use = LoraUse(tuple((i, float(s)) for i, s in req.loras))
+        use.text = self.loras.adapters(use.refs, "text", wait=True)
+        for lora_id, _ in use.refs:  # the backbone parts load while the request waits/runs
+            self.loras.start(lora_id, "backbone")
+        return use
+
+    def resolve_loras(self, state: RequestState, wait: bool) -> bool:
+        """Give `state` its backbone adapters if they are loaded (wait: block until they are).
+        True once it has them (or names none). A failed load raises its LoraError."""
+        use = state.lora
+        if use is None or use.adapters is not None:
+            return True
+        adapters = self.loras.adapters(use.refs, "backbone", wait=wait)
+        if adapters is None:
+            return False
+        self.loras.pin(use.refs, "backbone")
+        use.adapters = adapters
+        return True
 
     def preprocess(self, req: EditRequest, select_path: bool = True) -> RequestState:
         """Validate and prepare. With `select_path` (one process), an edit on a template picks
@@ -376,6 +423,8 @@ class EditPipeline:
         if not active:
             return
         if plan is None:
+            for s in active:  # outside a serving loop adapters load synchronously (K = 0)
+                self.resolve_loras(s, wait=True)
             self.prepare_reads(active)
             plan = self.plan_step(active)
         with torch.inference_mode():
@@ -387,6 +436,9 @@ class EditPipeline:
     def release(self, state: RequestState) -> None:
         """Finish a request's cache use: commit its capture, close its cache handle. Called when
         it completes; call it for a request dropped before completion (its capture aborts)."""
+        if state.lora is not None and state.lora.adapters and self.loras is not None:
+            self.loras.unpin(state.lora.refs, "backbone")
+            state.lora.adapters = ()
         if state.writer is not None:
             # a capture whose latents went non-finite is never committed: a ready entry would
             # serve NaN rows to every edit of the template (and outlive it on disk)

@@ -20,6 +20,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from instgenie.lora.apply import text_key
+
 Entry = tuple[torch.Tensor | None, ...]
 
 
@@ -37,7 +39,9 @@ class PromptCache:
         self.hits = self.misses = self.evictions = 0
 
     def get(self, key: Hashable, encode: Callable[[], Entry]) -> Entry:
-        """The cached entry for `key`, or `encode()`'s result (kept if it fits)."""
+        """The cached entry for `key`, or `encode()`'s result (kept if it fits). The key includes
+        the text-encoder LoRAs active for this encode (lora.apply.text_key)."""
+        key = (key, text_key())
         hit = self._entries.get(key)
         if hit is not None:
             self._entries.move_to_end(key)

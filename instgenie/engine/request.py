@@ -14,6 +14,7 @@ from PIL import Image
 
 from instgenie.cache.store import CacheWriter, TemplateHandle, TemplateMeta
 from instgenie.engine.imageio import ImageInput
+from instgenie.lora.gate import LoraUse
 from instgenie.messages import Path, RequestNotes
 
 
@@ -41,6 +42,8 @@ class EditRequest:
     output_format: str = "png"
     #: a registered template (EditPipeline.register_template); its cache makes the edit masked
     template_id: str | None = None
+    #: LoRAs to apply, ((lora id (64 hex), scale), ...), in order; see instgenie/lora
+    loras: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(eq=False)  # identity semantics: a state is one request's evolving run
@@ -96,6 +99,8 @@ class RequestState:
     edit_mask: torch.Tensor | None = None
     #: capture sink: this (full) run records its block outputs and latents
     writer: CacheWriter | None = None
+    #: its LoRAs (lora/gate.py): adapters loaded, steps run without them; None = it names none
+    lora: LoraUse | None = None
 
     @property
     def num_steps(self) -> int:

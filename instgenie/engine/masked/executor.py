@@ -40,6 +40,7 @@ from instgenie.engine.masked.context import (
 )
 from instgenie.engine.request import RequestState
 from instgenie.errors import ModelLoadError
+from instgenie.lora.apply import Group, LoraBatch, use_lora
 from instgenie.scheduler.step import StepPlan
 
 
@@ -90,6 +91,7 @@ class MaskedExecutor:
         #: the context of the last step (tests and the step log read it)
         self.last_context: StepContext | None = None
         self._token_cache: tuple | None = None
+        self._lora_cache: tuple | None = None
         #: CUDA-graph replay of steps whose composition repeats (engine/graphs.py); a graph
         #: whose step reads host memory owns a loader (its ring is part of the graph)
         self.graphs = StepGraphs(device, execution.cuda_graphs, capture=execution.graph_capture)
@@ -111,17 +113,22 @@ class MaskedExecutor:
                    if getattr(s.cache_handle, "window", None) is not None]  # fmt: skip
         copied = sum(w.bytes_copied for w, _ in windows)
         ctx = self.context(batch, plan)
+        loras = self.lora_batch(batch)
         try:
             if plan.may_graph and self.graphs.eligible(ctx, dtype, self.block_order):
-                key = (composition_key(batch), None if ctx is None else ctx.compute_all)
-                streamed = ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests)
-                loader = self._graph_loader if streamed else None
-                return self.graphs.run(key, ctx, fn, args, kwargs, make_loader=loader,
-                                       horizon=plan.horizon)  # fmt: skip
+                # the LoraBatch itself: a graph reads its tensors, so it lives as long as the graph
+                key = (composition_key(batch), None if ctx is None else ctx.compute_all, loras)
+                with use_lora(loras):
+                    streamed = (
+                        ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests)
+                    )
+                    loader = self._graph_loader if streamed else None
+                    return self.graphs.run(key, ctx, fn, args, kwargs, make_loader=loader,
+                                           horizon=plan.horizon)  # fmt: skip
             self.graphs.eager()
             if ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests):
                 ctx.start_loads(self._loader(batch), self._loads(ctx, batch))
-            with use_context(ctx):
+            with use_context(ctx), use_lora(loras):
                 return fn(*args, **kwargs)
         finally:
             for window, step in windows:
@@ -130,6 +137,23 @@ class MaskedExecutor:
                 except CacheMiss:
                     pass  # the next step's copy failed: its prepare() raises it for that request
             self.last_window_bytes = sum(w.bytes_copied for w, _ in windows) - copied
+
+    def lora_batch(self, batch: list[RequestState]) -> LoraBatch | None:
+        """The step's LoRA rows (None: no member applies an adapter this step); one object per
+        composition, so a graph captured with it replays with the same tensors."""
+        groups, start = [], 0
+        for s in batch:
+            if s.lora is not None and s.lora.adapters:
+                groups.append(Group(start, start + s.num_rows, s.lora.adapters))
+            start += s.num_rows
+        if not groups:
+            return None
+        key = (start, tuple((g.row_lo, g.row_hi, tuple((id(a), x) for a, x in g.adapters))
+                            for g in groups))  # fmt: skip
+        if self._lora_cache is None or self._lora_cache[0] != key:
+            dtype = batch[0].latents.dtype
+            self._lora_cache = (key, LoraBatch(groups, start, self.device, dtype))
+        return self._lora_cache[1]
 
     def prepare_reads(self, batch: list[RequestState]) -> None:
         """Before the step is planned or computes anything, make every cache-reading

@@ -25,6 +25,7 @@ from diffusers.models.transformers.transformer_flux import (
 from instgenie.engine.attention import varlen_attention
 from instgenie.engine.kernels import kernel_enabled, optional_kernel
 from instgenie.engine.masked.context import JointSet, StepContext
+from instgenie.lora.apply import packed_rows
 
 
 def check_supported(block: FluxTransformerBlock | FluxSingleTransformerBlock) -> str | None:
@@ -143,7 +144,7 @@ def _attend_roped(q, k, v, js: JointSet, seq: int, backend: str | None) -> torch
     return o.to(q.dtype).flatten(1)
 
 
-def dual_masked_forward(
+def _dual(
     block: FluxTransformerBlock,
     ctx: StepContext,
     block_id: int,
@@ -214,7 +215,7 @@ def dual_masked_forward(
     return E, ctx.compose(block_id, X, ts, h)
 
 
-def single_masked_forward(
+def _single(
     block: FluxSingleTransformerBlock,
     ctx: StepContext,
     block_id: int,
@@ -263,3 +264,19 @@ def single_masked_forward(
 
     E = h[js.txt_pos].reshape(R, tt, C)
     return E, ctx.compose(block_id, X, ts, h[js.img_pos])
+
+
+def dual_masked_forward(block, ctx: StepContext, block_id: int, hidden_states,
+                        encoder_hidden_states, *args: Any, **kwargs: Any):  # fmt: skip
+    """The dual block's masked forward; its packed 2-D inputs are the masked image tokens."""
+    ts = ctx.tokens(hidden_states.shape[1])
+    with packed_rows(ts.cu_q, ts.total):
+        return _dual(block, ctx, block_id, hidden_states, encoder_hidden_states, *args, **kwargs)
+
+
+def single_masked_forward(block, ctx: StepContext, block_id: int, hidden_states,
+                          encoder_hidden_states, *args: Any, **kwargs: Any):  # fmt: skip
+    """The single block's masked forward; its packed 2-D inputs are the joint queries."""
+    js = ctx.joint(hidden_states.shape[1], encoder_hidden_states.shape[1])
+    with packed_rows(js.cu_q, int(js.sel.shape[0])):
+        return _single(block, ctx, block_id, hidden_states, encoder_hidden_states, *args, **kwargs)

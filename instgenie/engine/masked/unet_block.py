@@ -22,6 +22,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 
 from instgenie.engine.attention import varlen_attention
 from instgenie.engine.masked.context import StepContext, TokenSet
+from instgenie.lora.apply import packed_rows
 
 
 def check_supported(block: BasicTransformerBlock) -> str | None:
@@ -53,8 +54,8 @@ def _attend(
     """attn's projections + varlen attention. q_in (T, C) packed; kv_in (R, Lk, Ckv)."""
     R, Lk = kv_in.shape[:2]
     q = attn.to_q(q_in)
-    kv = kv_in.reshape(R * Lk, -1)
-    k, v = attn.to_k(kv), attn.to_v(kv)
+    # keys/values projected as (R, Lk, C): a packed 2-D input would be ambiguous to LoRA hooks
+    k, v = attn.to_k(kv_in).reshape(R * Lk, -1), attn.to_v(kv_in).reshape(R * Lk, -1)
     head_dim = k.shape[-1] // attn.heads
     q = q.view(-1, attn.heads, head_dim)
     k = k.view(-1, attn.heads, head_dim)
@@ -85,6 +86,12 @@ def masked_forward(
     X = hidden_states
     R, L, C = X.shape
     ts = ctx.tokens(L)
+    with packed_rows(ts.cu_q, ts.total):
+        return _masked(block, ctx, block_id, X, ts, encoder_hidden_states)
+
+
+def _masked(block, ctx: StepContext, block_id: int, X, ts: TokenSet, encoder_hidden_states):
+    R, L, C = X.shape
     flat = X.reshape(R * L, C)
 
     n = block.norm1(X)
