@@ -81,6 +81,10 @@ class StepEntry(Nested):  # one iteration of the denoise loop (loop)
     graph: str
     #: cache-reading members by the tier that serves them: "gpu" | "cpu" | "dram" | "disk"
     tiers: dict[str, int] = field(default_factory=dict)
+    #: members that ran this step without their LoRAs (still loading, within the async bound)
+    lora_without: list[str] = field(default_factory=list)
+    #: requests held out of this step until their LoRAs are loaded (bound reached)
+    lora_held: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -97,6 +101,8 @@ class RequestNotes(Nested):  # what a request's stages learn about it (RequestSt
     fallback_reason: str | None = None  # a miss: why the edit runs the full path
     encode_ms: float = 0.0  # prompt + VAE encode in the loop, ms (model_stages="loop"; else 0)
     decode_ms: float = 0.0  # VAE decode in the loop, its share of the batch's, ms (else 0)
+    lora_steps_without: int = 0  # steps run without its LoRAs (bounded async loading), count
+    lora_held_ms: float = 0.0  # time held out of the batch waiting for its LoRAs, ms
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -113,6 +119,7 @@ class EditParams(Nested):  # an engine EditRequest without its image and mask (w
     paste_back: bool = True
     output_format: str = "png"
     template_id: str | None = None  # the pipeline's template key (not the client's id)
+    loras: list[tuple[str, float]] = field(default_factory=list)  # (LoRA id, scale), in order
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -157,6 +164,7 @@ class SubmitEdit(ClientToWorker):  # one edit request
     output_format: str = "png"  # "png" | "jpeg" | "webp"
     template_id: str | None = None  # RegisterTemplate id whose activation cache may be used
     submitted_at: float = 0.0  # unix seconds, client clock
+    loras: list[tuple[str, float]] = field(default_factory=list)  # (LoRA id (64 hex), scale)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

@@ -60,6 +60,9 @@ class ServerConfig:
     job_ttl_s: float = 600.0
     #: most registered templates
     max_templates: int = 256
+    #: most registered LoRAs (POST /v1/loras, their files in --lora-dir); beyond it:
+    #: 409 too_many_loras
+    max_loras: int = 1024
     #: SQLite file keeping the registered templates and async jobs across restarts (written
     #: before the API answers; docs/api.md, "What survives a restart"); "" = server.sqlite3
     #: under the cache root (--cache-root; by default the one derived from the machine), or,
@@ -110,7 +113,8 @@ def check_server_config(cfg: ServerConfig) -> None:
                          f"{cfg.workers!r}")  # fmt: skip
     if not 0 <= cfg.port <= 65535:
         raise ValueError(f"port: {cfg.port} is not in 0..65535")
-    for name in ("max_body_bytes", "max_parts", "max_field_bytes", "max_jobs", "max_templates"):
+    for name in ("max_body_bytes", "max_parts", "max_field_bytes", "max_jobs", "max_templates",
+                 "max_loras"):  # fmt: skip
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(cfg, name)}")
     for name in ("max_queue", "worker_slots", "retry_after_s", "default_steps", "worker_hang_s",

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from instgenie.errors import TooManyPixelsError, ValidationError
+from instgenie.errors import LoraError, LoraNotFound, TooManyPixelsError, ValidationError
 from instgenie.server.schemas import INVALID_TEXT
 
 if TYPE_CHECKING:  # the worker client imports torch; this module is also used without it
@@ -53,6 +53,9 @@ class ApiError(StarletteHTTPException):
     def from_validation(cls, exc: ValidationError) -> ApiError:
         if isinstance(exc, TooManyPixelsError):  # more pixels than the deployment accepts
             return cls(413, exc.code, exc.message, exc.field)
+        if isinstance(exc, LoraError):  # its own code; an unknown LoRA is a 404
+            return cls(404 if isinstance(exc, LoraNotFound) else 422, exc.code, exc.message,
+                       exc.field)  # fmt: skip
         return cls(422, "invalid_request", exc.message, exc.field)
 
 
@@ -68,6 +71,12 @@ _WORKER_STATUS = {
     "template_failed": (422, False),
     # a template cache failed verification mid-edit (quarantined, captured again): retry
     "cache_unreadable": (503, True),
+    # a LoRA the worker could not load (deleted since the edit was admitted, or unreadable)
+    "lora_not_found": (404, False),
+    "lora_invalid_file": (422, False),
+    "lora_wrong_base": (422, False),
+    "lora_unknown_keys": (422, False),
+    "lora_rank_too_large": (422, False),
 }
 
 
@@ -75,7 +84,7 @@ def from_worker(exc: WorkerError, retry_after_s: int) -> ApiError:
     """The HTTP answer for a request the worker failed."""
     status, retryable = _WORKER_STATUS.get(exc.code, (500, False))
     field = None
-    if exc.code == "invalid_request" and ": " in exc.reason:
+    if (exc.code == "invalid_request" or exc.code.startswith("lora_")) and ": " in exc.reason:
         field = exc.reason.split(": ", 1)[0]
         if not field.replace("_", "").replace(".", "").isalnum():
             field = None

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,6 +102,20 @@ def state_path(server: ServerConfig, worker: WorkerConfig) -> Path | None:
     return Path(worker.cache_root) / DEFAULT_NAME if worker.cache_root else None
 
 
+def lora_dir(server: ServerConfig, worker: WorkerConfig) -> tuple[Path, bool]:
+    """(the directory of registered LoRA files, whether it is a temporary one) for
+    WorkerConfig.lora.lora_dir: the flag's, else "loras" beside the state database
+    (state_path), else, with the state in memory, a temporary directory created now (removed
+    at exit: registered LoRAs are lost on restart, as templates are). `worker`'s cache root is
+    resolved."""
+    if worker.lora.lora_dir:
+        return Path(worker.lora.lora_dir), False
+    state = state_path(server, worker)
+    if state is not None:
+        return state.parent / "loras", False
+    return Path(tempfile.mkdtemp(prefix="instgenie-loras-")), True
+
+
 def _cluster_pool(server: ServerConfig, config: Config):
     """(fleet, pool) of a cluster server: connected to Ray, one slot per worker the nodes alive
     now should run (cluster/fleet.py); more come as nodes join (cluster/membership.py)."""
@@ -154,6 +170,18 @@ def serve(
     # place is derived from this host's.
     node_worker = worker
     worker, cache = resolve_cache(worker)
+    # every worker reads registered LoRA files from the one directory the API writes them to
+    # (in cluster mode, a path every node must see: a shared filesystem)
+    loras, loras_tmp = lora_dir(server, worker)
+    try:
+        loras.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"instgenie serve: lora_dir {loras}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    worker, node_worker = (
+        dataclasses.replace(w, lora=dataclasses.replace(w.lora, lora_dir=str(loras)))
+        for w in (worker, node_worker)
+    )
     if server.cluster:
         print("instgenie: cluster mode: each node resolves its cache settings (its "
               "INSTGENIE_CACHE_ROOT, memory and disk)", file=sys.stderr, flush=True)  # fmt: skip
@@ -167,6 +195,21 @@ def serve(
         )  # fmt: skip
         for d in devices
     ]
+    try:
+        return _serve_state(model, devices, server, worker, configs, cache)
+    finally:
+        if loras_tmp:
+            shutil.rmtree(loras, ignore_errors=True)
+
+
+def _serve_state(
+    model: ModelConfig,
+    devices: list[str],
+    server: ServerConfig,
+    worker: WorkerConfig,
+    configs: list[Config],
+    cache: CacheDefaults,
+) -> int:
     try:
         sock = _bind(server.host, server.port)
     except OSError as exc:

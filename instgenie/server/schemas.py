@@ -12,6 +12,7 @@ field - checked before anything stores, logs or forwards the text.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -73,6 +74,33 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class LoraRef(_Strict):
+    """One LoRA an edit applies: a registered id (POST /v1/loras) and its strength."""
+
+    id: str = Field(pattern=r"^[0-9a-f]{64}$", description="a registered LoRA's id (sha256 hex)")
+    scale: float = Field(1.0, ge=-8, le=8, allow_inf_nan=False, description="its strength")
+
+
+def _json_text(value: object) -> object:
+    """A multipart form field holding JSON (e.g. `loras`): its parsed value; other values
+    (a JSON body's list) pass through."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise PydanticCustomError("json_invalid", "is not valid JSON") from None
+    return value
+
+
+#: `loras` of an edit: a JSON list of {"id", "scale"}; in a multipart form, that list as text
+LoraRefs = Annotated[list[LoraRef] | None, BeforeValidator(_json_text)]
+_Loras = Field(
+    None,
+    description='LoRAs to apply, in order: [{"id": "<64 hex>", "scale": 1.0}, ...] (a JSON '
+    "string in a multipart form); at most the server's --lora-max-per-request",
+)
+
+
 class EditParams(_Strict):
     """Non-file fields of POST /v1/edits (multipart form fields, or JSON members)."""
 
@@ -91,6 +119,7 @@ class EditParams(_Strict):
         "more on another worker: an edit is deterministic under its seed, so the image is the "
         "same; false: fail with worker_died instead",
     )
+    loras: LoraRefs = _Loras
     image_url: Text | None = _Url
     mask_url: Text | None = _Url
 
@@ -286,6 +315,22 @@ class DeletedResponse(BaseModel):
     id: str
     object: str
     deleted: bool
+
+
+class LoraResponse(BaseModel):
+    id: str = Field(description="sha256 of the file's bytes, hex")
+    object: Literal["lora"] = "lora"
+    name: str | None = Field(description="the name given at registration (else the file name)")
+    bytes: int = Field(description="size of the safetensors file")
+    created: int = Field(description="unix seconds")
+    rank: int = Field(description="largest rank of its layers")
+    layers: int = Field(description="linear layers it adapts")
+    components: list[str] = Field(description='what it adapts: "unet", "text_encoder", ...')
+
+
+class LoraList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[LoraResponse]
 
 
 class ModelCard(BaseModel):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,6 +21,8 @@ from instgenie.engine.graphs import costliest_mode
 from instgenie.engine.masked.executor import CacheReadFailed
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import RequestState
+from instgenie.errors import LoraError
+from instgenie.lora.gate import Use, decide
 from instgenie.messages import StepEntry
 from instgenie.scheduler.batching import Policy
 from instgenie.scheduler.step import StepPlan, horizon_of, members_of
@@ -78,31 +80,40 @@ class Batcher:
     def _step(self, joined: list[RequestState]) -> list[Retired]:
         """Plan and run one step of the running batch; record it; retire finished requests (or
         the ones a failure hit)."""
-        stepped = list(self.running)
+        stepping, without, held, retired = self._lora_members()
+        if not stepping:
+            return retired
+        stepped = list(stepping)
         graphs = self.pipe.family.masked.graphs
         before = dict(graphs.counters)
         t0, wall0 = time.perf_counter(), time.time()
         waited = [1e3 * (t0 - self._submitted.pop(s.uid, t0)) for s in joined]
         try:
-            plan = self.plan([s.uid for s in joined])
+            plan = self.plan([s.uid for s in joined if s in stepping], stepping)
             # no device sync: the host enqueues step n + 1 while the GPU runs step n, so the
             # recorded duration is host time between step starts (≈ GPU step time when busy)
-            self.pipe.denoise_step(self.running, plan)
+            self.pipe.denoise_step(stepping, plan)
         except CacheReadFailed as exc:  # before anything ran: only that request fails
             bad = [s for s in self.running if s.uid == exc.uid]
             self.running = [s for s in self.running if s.uid != exc.uid]
             for s in bad:
                 self.pipe.release(s)
             message = f"the template's cache could not be read ({exc}); it is captured again"
-            return [Retired(s, ("cache_unreadable", message)) for s in bad]
+            return retired + [Retired(s, ("cache_unreadable", message)) for s in bad]
         except Exception as exc:  # the whole batch shares the failed step
             failed = [Retired(s, ("internal_error", f"denoising step failed: {exc}"))
                       for s in self.running]  # fmt: skip
             for r in failed:
                 self.pipe.release(r.state)
             self.running = []
-            return failed
+            return retired + failed
         ms = 1e3 * (time.perf_counter() - t0)
+        for s in without:
+            s.lora.steps_without += 1
+            s.notes = replace(s.notes, lora_steps_without=s.lora.steps_without)
+        for s in held:
+            s.lora.held_ms += ms
+            s.notes = replace(s.notes, lora_held_ms=s.lora.held_ms)
         done = [s for s in self.running if s.is_done]
         self.running = [s for s in self.running if not s.is_done]
         ex = self.pipe.family.masked
@@ -124,25 +135,56 @@ class Batcher:
                 tiers=dict(
                     Counter(s.notes.cache_tier.value for s in stepped if s.notes.cache_tier)
                 ),  # fmt: skip
+                lora_without=[s.uid for s in without],
+                lora_held=[s.uid for s in held],
             )
         )
         self.steps += 1
         if self.on_step is not None:
             self.on_step([s for s in self.running] + done)
-        return [Retired(s, _check_finite(s)) for s in done]
+        return retired + [Retired(s, _check_finite(s)) for s in done]
 
-    def plan(self, joined: list[str]) -> StepPlan:
+    def _lora_members(self) -> tuple[list, list, list, list[Retired]]:
+        """(this step's members, those running without their LoRAs, those held, retired): a
+        request whose backbone LoRAs are loading runs without them for at most
+        pipe.lora_async_steps steps, then is held until they arrive (lora/gate.py); a request
+        whose LoRA fails to load fails alone with the typed error."""
+        if self.pipe.loras is None:
+            return list(self.running), [], [], []
+        for attempt in range(2):
+            stepping, without, held, failed = [], [], [], []
+            for s in self.running:
+                try:
+                    self.pipe.resolve_loras(s, wait=False)
+                except LoraError as exc:
+                    failed.append(Retired(s, (exc.code, exc.message)))
+                    continue
+                use = decide(s.lora, self.pipe.lora_async_steps)
+                (held if use is Use.HOLD else stepping).append(s)
+                if use is Use.WITHOUT:
+                    without.append(s)
+            bad = {id(r.state) for r in failed}
+            for r in failed:
+                self.pipe.release(r.state)
+            self.running = [s for s in self.running if id(s) not in bad]
+            if stepping or not held or attempt:
+                return stepping, without, held, failed
+            self.pipe.loras.wait_any()  # everyone waits for a load: block until one lands
+        raise AssertionError("unreachable")
+
+    def plan(self, joined: list[str], members: list[RequestState] | None = None) -> StepPlan:
         """This iteration's StepPlan for the running batch. Reads are prepared first (a host
         cache gets its device window before the load planner prices it; a cache that cannot be
         read raises CacheReadFailed for its request alone)."""
-        self.pipe.prepare_reads(self.running)
-        members = members_of(self.running)
+        batch = self.running if members is None else members
+        self.pipe.prepare_reads(batch)
+        members = members_of(batch)
         return StepPlan(
             index=self.steps,
             members=members,
             joined=tuple(joined),
             horizon=horizon_of(members),
-            compute_all=self.pipe.compute_all(self.running),
+            compute_all=self.pipe.compute_all(batch),
         )
 
     def _drop_aborted(self) -> list[Retired]:

@@ -185,7 +185,15 @@ class ChildRuntime:
             cache = make_store(self.config, family.device, family.dtype, device_tier=device_tier)
         if cache is not None:
             self._closers.append(getattr(cache, "close", None) or cache.tiered.close)
-        return EditPipeline(family, self.config.limits, cache, profile)
+        pipe = EditPipeline(family, self.config.limits, cache, profile)
+        lcfg = self.wcfg.lora
+        if lcfg.lora_dir and parts != "none":
+            from instgenie.lora.store import open_store
+
+            store = open_store(family, Path(lcfg.lora_dir), lcfg)
+            self._closers.append(store.close)
+            pipe.attach_loras(store, lcfg.lora_async_steps)
+        return pipe
 
 
 def release_bundles(msg: Message) -> None:

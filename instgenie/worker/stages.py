@@ -110,6 +110,7 @@ class Stages:
             num_inference_steps=msg.num_inference_steps, guidance_scale=msg.guidance_scale,
             strength=msg.strength, height=msg.height, width=msg.width,
             paste_back=msg.paste_back, output_format=msg.output_format, template_id=template,
+            loras=tuple((str(i), float(s)) for i, s in msg.loras),
         )  # fmt: skip
 
     def prepare(self, msg: SubmitEdit) -> RequestState:

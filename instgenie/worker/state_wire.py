@@ -18,6 +18,7 @@ from PIL import Image
 
 from instgenie.engine.pipeline import DecodedInputs
 from instgenie.engine.request import EditRequest, RequestState
+from instgenie.lora.gate import LoraUse
 from instgenie.messages import EditParams, InputsMeta, RequestNotes, StateMeta
 
 #: tensors a finished request needs in post-processing (cond is dropped after the last step)
@@ -26,11 +27,15 @@ _PARAMS = [f.name for f in dataclasses.fields(EditParams)]  # = EditRequest's, l
 
 
 def _params(req: EditRequest) -> EditParams:
-    return EditParams(**{k: getattr(req, k) for k in _PARAMS})
+    fields = {k: getattr(req, k) for k in _PARAMS}
+    fields["loras"] = [(i, float(s)) for i, s in req.loras]
+    return EditParams(**fields)
 
 
 def _request(p: EditParams) -> EditRequest:
-    return EditRequest(image=None, mask=b"", **{k: getattr(p, k) for k in _PARAMS})
+    fields = {k: getattr(p, k) for k in _PARAMS}
+    fields["loras"] = tuple((str(i), float(s)) for i, s in p.loras)
+    return EditRequest(image=None, mask=b"", **fields)
 
 
 def _img(img: Image.Image | None) -> torch.Tensor | None:
@@ -136,6 +141,8 @@ def from_parts(
         },
         path=meta.path,
     )
+    if state.request.loras:  # text LoRAs were applied where it was encoded; backbone ones load here
+        state.lora = LoraUse(state.request.loras)
     if "original_image" in tensors:
         state.original_image = _pil(tensors["original_image"], meta.image_mode)
         state.original_mask = _pil(tensors["original_mask"], "L")
