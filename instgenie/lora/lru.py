@@ -1,8 +1,8 @@
 """A byte-budgeted LRU with pins: the adapter caches' bookkeeping, no tensors, no I/O.
 
 Invariants: `used` is the sum of the entries' bytes; an entry with pins > 0 is never evicted;
-after `put`, used <= capacity unless the pinned entries alone exceed it (then nothing unpinned
-is left). Eviction order: least recently used first.
+after `put`, used <= capacity unless the pinned entries and the new one alone exceed it (then
+nothing else unpinned is left): a new entry is never evicted by its own insertion. Eviction order: least recently used first.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class ByteLru:
             pins = old.pins
         self._entries[key] = _Entry(value, nbytes, pins)
         self.used += nbytes
-        return self._evict()
+        return self._evict(exclude=key)  # the new entry is about to be used
 
     def pin(self, key: Hashable) -> None:
         self._entries[key].pins += 1
@@ -81,13 +81,13 @@ class ByteLru:
     def keys(self) -> list[Hashable]:
         return list(self._entries)
 
-    def _evict(self) -> list[Hashable]:
+    def _evict(self, exclude: Hashable = None) -> list[Hashable]:
         out = []
         for key in list(self._entries):
             if self.used <= self.capacity:
                 break
             e = self._entries[key]
-            if e.pins == 0:
+            if e.pins == 0 and key != exclude:
                 del self._entries[key]
                 self.used -= e.nbytes
                 out.append(key)

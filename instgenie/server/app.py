@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import instgenie
-from instgenie.server import native, openai_compat, ops
+from instgenie.server import loras, native, openai_compat, ops
 from instgenie.server.errors import ApiError, error_for_path, install_handlers
 from instgenie.server.metrics import Metrics
 from instgenie.server.runtime import Runtime
@@ -22,9 +22,9 @@ from instgenie.server.uploads import BodyLimitMiddleware
 
 DESCRIPTION = """Mask-based image editing with template activation caching.
 
-Native API: `/v1/templates`, `/v1/edits` (sync, or `?async=true` + `/v1/jobs/{id}` and its
-Server-Sent Events). OpenAI-compatible: `POST /v1/images/edits`. Native masks: white = edit;
-OpenAI masks: alpha = 0 = edit."""
+Native API: `/v1/templates`, `/v1/loras`, `/v1/edits` (sync, or `?async=true` +
+`/v1/jobs/{id}` and its Server-Sent Events). OpenAI-compatible: `POST /v1/images/edits`.
+Native masks: white = edit; OpenAI masks: alpha = 0 = edit."""
 
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -48,6 +48,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     app.state.runtime = runtime
     install_handlers(app)
     app.include_router(native.router)
+    app.include_router(loras.router)
     app.include_router(openai_compat.router)
     app.include_router(ops.router)
     cfg = runtime.cfg

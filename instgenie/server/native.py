@@ -218,6 +218,7 @@ async def prepare_native_edit(request: Request) -> EditSpec:
         output_format=params.output_format,
         paste_back=params.paste_back,
         retry=params.retry,
+        loras=[(r.id, r.scale) for r in params.loras or ()],
     )
     await rt.measure_mask([spec])
     return spec

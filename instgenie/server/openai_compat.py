@@ -19,6 +19,7 @@ import warnings
 from typing import Annotated
 
 import numpy as np
+import pydantic
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 from PIL import Image, ImageOps
@@ -28,9 +29,10 @@ from instgenie.config import LimitsConfig
 from instgenie.server.errors import SIBLING_FAILED, ApiError, cancel_code
 from instgenie.server.native import CLIENT_CLOSED, run_unless_disconnected
 from instgenie.server.runtime import Runtime
-from instgenie.server.schemas import OPENAI_ERRORS, ImagesResponse, Text
+from instgenie.server.schemas import OPENAI_ERRORS, ImagesResponse, LoraRefs, Text
 
 router = APIRouter(tags=["openai"])
+_LORA_REFS = pydantic.TypeAdapter(LoraRefs)
 _SIZE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
 
 
@@ -117,6 +119,10 @@ async def images_edits(
         float,
         Form(gt=0, le=1, allow_inf_nan=False, description="fraction of the schedule, (0, 1]"),
     ] = 1.0,
+    loras: Annotated[
+        Text | None,
+        Form(description='registered LoRAs as JSON: [{"id": "<64 hex>", "scale": 1.0}, ...]'),
+    ] = None,
 ) -> Response:
     rt: Runtime = request.app.state.runtime
     await refuse_unknown_fields(request)
@@ -145,6 +151,7 @@ async def images_edits(
         out_size = (int(m.group(1)), int(m.group(2)))
         if out_size[0] * out_size[1] > rt.limits.max_image_pixels:
             raise _invalid("size", f"{size} exceeds {rt.limits.max_image_pixels} pixels")
+    refs = rt.loras.check(_lora_refs(loras))  # before any decoding
     image_bytes = await files[0].read()
     mask_bytes = await mask.read() if mask is not None else None
     info = rt.probe(image_bytes, "image")
@@ -172,6 +179,7 @@ async def images_edits(
             strength=strength,
             output_format=fmt,
             size=out_size,
+            loras=refs,
         )
         for i in range(n)
     ]
@@ -197,6 +205,19 @@ async def images_edits(
             "size": f"{first['width']}x{first['height']}",
         }
     )
+
+
+def _lora_refs(text: str | None) -> list[tuple[str, float]]:
+    """The `loras` form field (JSON text of schemas.LoraRef objects) as [(id, scale), ...]."""
+    if text in (None, ""):
+        return []
+    try:
+        refs = _LORA_REFS.validate_python(text)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise _invalid("loras", f"{where + ': ' if where else ''}{first['msg']}") from None
+    return [(r.id, r.scale) for r in refs or ()]
 
 
 def _form_names(handler) -> frozenset[str]:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -33,6 +34,7 @@ from instgenie.server.dispatcher import Dispatcher, Outcome, Ticket
 from instgenie.server.errors import ApiError, cancel_code
 from instgenie.server.health import HealthMonitor
 from instgenie.server.jobs import INTERRUPTED, JobTable
+from instgenie.server.loras import LoraRegistry
 from instgenie.server.metrics import Metrics, fastest_tier, live_families
 from instgenie.server.pool import LOCAL_NODE, WorkerPool, WorkerSlot
 from instgenie.server.state_db import StateDB
@@ -80,6 +82,10 @@ class Runtime:
         self.templates = TemplateRegistry(pool, cfg, state)
         self.dispatcher = Dispatcher(pool, make_policy(cfg.routing), cfg, self.templates.ensure)
         self.jobs = JobTable(cfg.max_jobs, cfg.job_ttl_s, cfg.retry_after_s, state)
+        # registered LoRAs, in the directory the workers read (the launcher resolves it)
+        lcfg = pool.slots[0].config.worker.lora
+        self.loras = LoraRegistry(Path(lcfg.lora_dir) if lcfg.lora_dir else None, self.model_id,
+                                  lcfg, cfg.max_loras)  # fmt: skip
         # the host cache as the launcher resolved it (None: from the workers' configs)
         cache = cache or resolve_cache(pool.slots[0].config.worker)[1]
         self.health = HealthMonitor(
@@ -104,6 +110,8 @@ class Runtime:
         return self.dispatcher.draining
 
     async def start(self) -> None:
+        if self.loras.load():
+            log.info("%d LoRA(s) registered in %s", len(self.loras.records), self.loras.directory)
         if self.state is not None:
             templates, jobs = self.templates.load(), self.jobs.load()
             log.info("state %s: %d template(s) and %d async job(s) reloaded",
@@ -273,9 +281,12 @@ class Runtime:
         paste_back: bool = True,
         size: tuple[int, int] | None = None,
         retry: bool = True,
+        loras: list[tuple[str, float]] | None = None,
     ) -> EditSpec:
-        """Validate an edit from its header-level facts; 4xx naming the field otherwise."""
+        """Validate an edit from its header-level facts; 4xx naming the field otherwise.
+        `loras`: [(registered LoRA id, scale), ...] (404 lora_not_found for an unknown id)."""
         self.check_params(prompt, negative_prompt, num_inference_steps, guidance_scale)
+        refs = self.loras.check(loras)
         if template_id is not None and image is not None:
             raise ApiError.invalid("template_id", "give either template_id or image, not both")
         rec = None
@@ -334,6 +345,7 @@ class Runtime:
             paste_back=paste_back,
             output_format=output_format,
             template_id=rec.template_id if rec is not None else None,
+            loras=refs,
         )
         tid = rec.template_id if rec is not None else None
         route = RouteRequest(template_id=tid, num_steps=steps, pixels=work[0] * work[1],
