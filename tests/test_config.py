@@ -97,7 +97,7 @@ def test_every_serve_flag_has_help_and_shows_its_default(capsys) -> None:
     import re
 
     from instgenie.cli import main
-    from instgenie.config import ExecConfig, LimitsConfig, ModelConfig, field_help
+    from instgenie.config import ExecConfig, LimitsConfig, LoraConfig, ModelConfig, field_help
     from instgenie.server.config import ServerConfig
 
     with pytest.raises(SystemExit) as exc:
@@ -105,8 +105,9 @@ def test_every_serve_flag_has_help_and_shows_its_default(capsys) -> None:
     assert exc.value.code == 0
     text = capsys.readouterr().out
     blocks = [b.split("\n\n")[0] for b in re.split(r"\n(?=  -)", text) if b.startswith("  --")]
-    fields = [f for c in (ModelConfig, ExecConfig, ServerConfig, WorkerConfig, LimitsConfig)
-              for f in dataclasses.fields(c) if f.name != "execution"]  # fmt: skip
+    fields = [f for c in (ModelConfig, ExecConfig, ServerConfig, WorkerConfig, LimitsConfig,
+                          LoraConfig)
+              for f in dataclasses.fields(c) if f.name not in ("execution", "lora")]  # fmt: skip
     # + --devices, --worker-max-queue; - device, WorkerConfig.max_queue (ModelConfig.execution:
     # ExecConfig's flags)
     assert len(blocks) == len(fields) >= 45

@@ -20,7 +20,7 @@ from PIL import Image
 
 from instgenie.cache.disk import CacheMiss
 from instgenie.cache.store import ActivationStore, InMemoryStore, TemplateMeta, tier_of
-from instgenie.config import LimitsConfig
+from instgenie.config import LimitsConfig, LoraConfig
 from instgenie.engine.costspec import cost_spec
 from instgenie.engine.family import ModelFamily, load_family
 from instgenie.engine.imageio import (
@@ -141,11 +141,10 @@ class EditPipeline:
         if not 0.0 < float(req.strength) <= 1.0:
             raise ValidationError("strength", f"must be in (0, 1], got {req.strength!r}")
         refs = getattr(req, "loras", ())
-        if refs:
-            if self.loras is None:
-                raise ValidationError("loras", "this model process serves no LoRAs")
-            for lora_id, _ in check_refs(refs, self.loras.cfg.lora_max_per_request):
-                if not self.loras.exists(lora_id):
+        if refs:  # a process without a store (image pre-processing) checks the list's form only
+            limit = (self.loras.cfg if self.loras else LoraConfig()).lora_max_per_request
+            for lora_id, _ in check_refs(refs, limit):
+                if self.loras is not None and not self.loras.exists(lora_id):
                     raise LoraNotFound("loras", f"no LoRA {lora_id[:12]} is registered")
 
     def validate(self, req: EditRequest) -> tuple[Image.Image, Image.Image, int, int]:
@@ -321,7 +320,8 @@ class EditPipeline:
     def _lora_use(self, req: EditRequest) -> LoraUse | None:
         if not req.loras:
             return None
-        assert self.loras is not None, "validated: _check_fields"
+        if self.loras is None:
+            raise ValidationError("loras", "this model process serves no LoRAs")
         use = LoraUse(tuple((i, float(s)) for i, s in req.loras))
         use.text = self.loras.adapters(use.refs, "text", wait=True)
         for lora_id, _ in use.refs:  # the backbone parts load while the request waits/runs

@@ -2,7 +2,8 @@
 
 Invariants: `used` is the sum of the entries' bytes; an entry with pins > 0 is never evicted;
 after `put`, used <= capacity unless the pinned entries and the new one alone exceed it (then
-nothing else unpinned is left): a new entry is never evicted by its own insertion. Eviction order: least recently used first.
+nothing else unpinned is left): a new entry is never evicted by its own insertion. Eviction
+order: least recently used first.
 """
 
 from __future__ import annotations

@@ -93,8 +93,9 @@ def test_mixed_batch_equals_alone(family: str, env) -> None:
     one = register(d, lora_state(pipe, seed=1))
     two = register(d, lora_state(pipe, seed=2, text=False))
     image, mask = make_image(128, 96, seed=3), make_mask(128, 96)
-    key = pipe.build_template(TemplateSpec(image=png_bytes(image), mask=png_bytes(mask),
-                                           prompt="x", seed=7, num_inference_steps=STEPS))  # fmt: skip
+    spec = TemplateSpec(image=png_bytes(image), mask=png_bytes(mask), prompt="x", seed=7,
+                        num_inference_steps=STEPS)  # fmt: skip
+    key = pipe.build_template(spec)
     small = png_bytes(make_mask(128, 96, box=(0.3, 0.35, 0.6, 0.6)))
     reqs = [
         _request(family, "one", [(one, 1.0)]),
