@@ -46,7 +46,7 @@ covered rows are rewritten even where the delta is 0 (so -0.0 + 0 becomes +0.0, 
 Numerics: v is kept in x's dtype (as in Punica / S-LoRA), so both products run on the tensor
 cores with exact fp16/bf16 products and fp32 accumulation; the one extra rounding is v's
 (relative 2**-11 for fp16, 2**-8 for bf16, per element of v). Against an fp32 v this made the
-expand 1.3x to 2x faster on an H200 (v is re-read once per column tile). fp16 v can overflow
+expand 1.15x to 2x faster on an H200 (v is re-read once per column tile). fp16 v can overflow
 where |scale * x @ A.T| > 65504. float32 inputs keep v in float32 with IEEE products
 (input_precision="ieee"). Then one rounding of y.float() + delta to y's dtype (the GPU rounds to
 nearest; Triton's CPU interpreter truncates float32 -> bfloat16, and its bf16 tl.dot is wrong,

@@ -46,7 +46,8 @@ _PACKED: contextvars.ContextVar[tuple[torch.Tensor, int] | None] = contextvars.C
 @dataclass(eq=False)  # identity: a loaded adapter's tensors, shared by every batch that uses it
 class DeviceAdapter:
     lora_id: str
-    #: {(component, module): (down (r, in), up (out, r), alpha / r)} on the model's device/dtype
+    #: {(component, module): (down (r, in), up (out, r), alpha / r)} on the model's device/dtype;
+    #: up is the transposed view of an (r, out)-contiguous tensor (triton_kernels/segmented_lora)
     pairs: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, float]]
     nbytes: int = 0
 
@@ -131,7 +132,8 @@ class LoraBatch:
                 a_cat, b_cat = owners[0].pairs[key][0], owners[0].pairs[key][1]
             else:
                 a_cat = torch.cat([a.pairs[key][0] for a in owners])
-                b_cat = torch.cat([a.pairs[key][1] for a in owners], dim=1).contiguous()
+                # B as the transpose of a rank-major tensor (the kernel's vector loads)
+                b_cat = torch.cat([a.pairs[key][1].T for a in owners]).T
             self.modules[key] = _Module(a_cat, b_cat, None, None, None,
                                         max(r for _, r, _ in host), host)  # fmt: skip
             ints.append([[o for o, _, _ in host], [r for _, r, _ in host]])

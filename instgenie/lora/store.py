@@ -103,10 +103,11 @@ class AdapterStore:
         pin = self.device.type == "cuda"
         layers = []
         for x in w.layers:
-            down, up = x.down.to(self.dtype), x.up.to(self.dtype)
+            down, up_t = x.down.to(self.dtype), x.up.T.to(self.dtype).contiguous()
             if pin:
-                down, up = down.pin_memory(), up.pin_memory()
-            layers.append(type(x)(x.component, x.module, down, up, x.scale))
+                down, up_t = down.pin_memory(), up_t.pin_memory()
+            # up kept rank-major, (out, r) as a transposed view (.to(device) keeps the strides)
+            layers.append(type(x)(x.component, x.module, down, up_t.T, x.scale))
         w = LoraWeights(tuple(layers))
         self.host.put(lora_id, w, w.nbytes(self.dtype.itemsize))
         return w

@@ -1,0 +1,121 @@
+"""Per-request LoRA on the GPU: cold-adapter edit latency, synchronous vs bounded asynchronous
+loading (K = 1, 3, 5), and batch-8 throughput with 8 different LoRAs vs one shared vs none,
+through the worker's batcher (the loop's code: gate, step plan, graphs). Issue 30.
+
+    python bench/lora_serving.py --model sdxl-inpaint:full --out docs/benchmarks/data/lora-h100.json
+
+LoRAs: random rank-`--rank` pairs on every attention projection (to_q/k/v/out.0, Flux's add_*
+too) of the backbone and the first text encoder's q/k/v/out projections, a typical style LoRA.
+"Cold" = forgotten from the host and device caches (the file stays in the page cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from instgenie.engine.pipeline import EditPipeline
+from instgenie.engine.request import EditRequest
+from instgenie.lora import apply
+from instgenie.scheduler.batching import get_policy
+from instgenie.worker.batcher import Batcher
+from tests.conftest import make_image, make_mask, png_bytes
+from tests.lora.helpers import attach, lora_state, register
+
+PICKS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+def _requests(n: int, size: int, steps: int, loras, seed0: int = 0) -> list[EditRequest]:
+    image, mask = png_bytes(make_image(size, size, seed=1)), png_bytes(make_mask(size, size))
+    return [
+        EditRequest(uid=f"r{seed0 + i}", image=image, mask=mask, prompt="a red silk dress",
+                    seed=seed0 + i, num_inference_steps=steps, loras=tuple(loras[i]))
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def _serve(pipe: EditPipeline, reqs, bound: int) -> tuple[float, list, dict]:
+    """Seconds from submission (prompt encode included) to the last retirement."""
+    pipe.lora_async_steps = bound
+    b = Batcher(pipe, get_policy("continuous"), max_batch=len(reqs))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for r in reqs:
+        b.submit(pipe.preprocess(r))
+    done = {}
+    while not b.idle:
+        for r in b.iterate():
+            assert r.error is None, r.error
+            done[r.state.uid] = r.state
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, list(b.records), done
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="sdxl-inpaint:full")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    pipe = EditPipeline.load(args.model, device="cuda")
+    d = Path(tempfile.mkdtemp())
+    attach(pipe, d)
+    ids = [register(d, lora_state(pipe, rank=args.rank, seed=i, std=0.02, picks=PICKS))
+           for i in range(9)]  # fmt: skip
+    nbytes = (d / f"{ids[0]}.safetensors").stat().st_size
+    res: dict = {"model": args.model, "size": args.size, "steps": args.steps, "rank": args.rank,
+                 "lora_file_bytes": nbytes, "device": torch.cuda.get_device_name(),
+                 "torch": torch.__version__}  # fmt: skip
+    # correctness on this device: the kernel against the torch ops, a mixed batch's step
+    reqs = _requests(3, args.size, 2, [[(ids[0], 1.0)], [], [(ids[1], 0.5), (ids[2], 1.0)]])
+    outs = {}
+    for mode in ("auto", "off"):
+        apply.SEGMENTED_KERNEL = mode
+        _, _, done = _serve(pipe, reqs, 0)
+        outs[mode] = torch.cat([done[r.uid].latents.float() for r in reqs])
+    apply.SEGMENTED_KERNEL = "auto"
+    res["kernel_vs_torch_max_abs"] = float((outs["auto"] - outs["off"]).abs().max())
+    # warm-up (graphs, kernels) with a LoRA and without
+    _serve(pipe, _requests(1, args.size, args.steps, [[(ids[8], 1.0)]]), 0)
+    _serve(pipe, _requests(1, args.size, args.steps, [[]]), 0)
+    # cold-adapter latency: batch 1, the adapter forgotten before each run
+    lat: dict[str, list[float]] = {}
+    for label, loras, bound in [("no_lora", [], 0), ("sync", [(ids[8], 1.0)], 0),
+                                ("async_k1", [(ids[8], 1.0)], 1), ("async_k3", [(ids[8], 1.0)], 3),
+                                ("async_k5", [(ids[8], 1.0)], 5)]:  # fmt: skip
+        for rep in range(args.repeats):
+            pipe.loras.forget(ids[8])
+            s, log, done = _serve(pipe, _requests(1, args.size, args.steps, [loras], rep), bound)
+            lat.setdefault(label, []).append(s)
+            without = sum(1 for e in log if e.lora_without)
+            res.setdefault("steps_without", {})[label] = without
+        res.setdefault("cold_latency_s", {})[label] = statistics.median(lat[label])
+    res["cold_latency_runs_s"] = lat
+    res["loads_ms"] = [ms for _, part, ms in pipe.loras.loaded if part == "backbone"][-5:]
+    # batch-8 throughput, adapters warm (on the device)
+    for label, loras in [("none", [[]] * 8), ("shared", [[(ids[0], 1.0)]] * 8),
+                         ("distinct", [[(ids[i], 1.0)] for i in range(8)])]:  # fmt: skip
+        _serve(pipe, _requests(8, args.size, args.steps, loras, 100), 0)  # load + warm graphs
+        times, step_ms = [], []
+        for rep in range(args.repeats):
+            s, log, _ = _serve(pipe, _requests(8, args.size, args.steps, loras, 200 + rep), 0)
+            times.append(s)
+            step_ms += [e.duration_ms for e in log[1:]]
+        res.setdefault("batch8_images_per_s", {})[label] = 8 / statistics.median(times)
+        res.setdefault("batch8_step_ms_median", {})[label] = statistics.median(step_ms)
+    print(json.dumps(res, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
