@@ -40,9 +40,15 @@ class TemplateKey:
     seed: int
     capture_mask: str
     cache_dtype: str
+    #: the LoRAs the capture ran with, [[id, scale], ...] as JSON; "" = none (then the field is
+    #: left out of the digest: keys of templates without LoRAs are what they always were)
+    loras: str = ""
 
     @property
     def digest(self) -> str:
         """64 hex characters; the only identifier the cache tiers ever see."""
-        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not fields["loras"]:
+            del fields["loras"]
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()

@@ -246,7 +246,7 @@ class EditPipeline:
             uid=f"capture:{key[:16]}", image=None, mask=mask, prompt=spec.prompt,
             negative_prompt=spec.negative_prompt, seed=spec.seed,
             num_inference_steps=spec.num_inference_steps, guidance_scale=spec.guidance_scale,
-            strength=spec.strength, height=rec.height, width=rec.width,
+            strength=spec.strength, height=rec.height, width=rec.width, loras=spec.loras,
         )  # fmt: skip
         return self._resize(req, image, mask, rec.height, rec.width)
 

@@ -30,6 +30,9 @@ class TemplateSpec:
     mask: ImageInput | None = None
     height: int | None = None
     width: int | None = None
+    #: LoRAs the capture runs with, ((id, scale), ...): edits that name the same LoRAs then read
+    #: activations made with them (see docs/lora.md); () = a cache made without adapters
+    loras: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -78,4 +81,5 @@ def template_key(
         seed=int(spec.seed),
         capture_mask=pixel_digest(mask),
         cache_dtype=cache_dtype,
+        loras=json.dumps([[i, float(s)] for i, s in spec.loras]) if spec.loras else "",
     ).digest

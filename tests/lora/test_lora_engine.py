@@ -133,3 +133,31 @@ def test_kohya_file_equals_peft_file(env, family) -> None:
     a = _pixels(pipe.run([_request(family, "k", [(register(d, kohya), 1.0)])])[0])
     b = _pixels(pipe.run([_request(family, "p", [(register(d, folded), 1.0)])])[0])
     assert np.abs(a - b).max() <= 1
+
+
+def test_template_captured_with_lora_replays_exactly(family: str, tmp_path) -> None:
+    """The exactness invariant with adapters: a template captured with a LoRA, edited with its
+    own prompt, seed, mask and that LoRA, equals full computation with the LoRA (float64). On a
+    template captured without it the masked path only approximates it (the unmasked tokens'
+    activations come from the adapter-less run): why capture with an adapter is offered."""
+    from tests.engine.test_masked_exact import RTOL, _full, _run, fp64_pipeline
+
+    pipe = fp64_pipeline(family)
+    attach(pipe, tmp_path)
+    lora = ((register(tmp_path, lora_state(pipe, seed=4)), 1.0),)
+    img, mask = png_bytes(make_image(128, 128, seed=1)), png_bytes(make_mask(128, 128))
+    common = dict(prompt="a red felt hat", seed=5, num_inference_steps=STEPS)
+    with_lora = pipe.build_template(TemplateSpec(image=img, mask=mask, loras=lora, **common))
+    plain = pipe.build_template(TemplateSpec(image=img, mask=mask, **common))
+    assert with_lora != plain  # the LoRAs are part of the cache key
+    full = _full(pipe, EditRequest(uid="f", image=img, mask=mask, loras=lora, paste_back=False,
+                                   **common))  # fmt: skip
+    scale = float(full.latents.abs().max())
+    for key, exact in ((with_lora, True), (plain, False)):
+        edit = EditRequest(uid="e", image=None, template_id=key, mask=mask, loras=lora,
+                           paste_back=False, **common)  # fmt: skip
+        masked = _run(pipe, pipe.preprocess(edit))
+        assert masked.path == Path.MASKED
+        diff = float((masked.latents - full.latents).abs().max())
+        assert (diff <= RTOL * scale) == exact, (key == plain, diff)
+    detach(pipe)
