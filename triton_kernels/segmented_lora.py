@@ -21,10 +21,10 @@ over its rows, slot 0 and slot 1): their deltas add. Two launches, no host synch
 
 Layout: x (N, Cin) and y (N, Cout) with unit last stride (any row stride; y may be a column slice
 of a wider tensor); a_cat (Rtot, Cin), copied to unit last stride if needed; b_cat (Cout, Rtot)
-with a unit stride in either dim, else copied. Prefer b_cat as the transposed view of a
-(Rtot, Cout)-contiguous tensor (b_cat.stride() == (1, Cout)): the expand's B loads are then
-16-byte vectors whatever the rank offsets, where a row-major b_cat with rank offsets that are not
-multiples of 8 forces element-wise loads (H200, bf16, r 128 -> Cout 5120: 207 vs 286 us).
+is read column-major, b_cat.stride(0) == 1 (the transposed view of a (Rtot, Cout)-contiguous
+tensor), and copied to that layout on every call otherwise: keep adapter weights in it. Row-major
+B with rank offsets that are not multiples of 8 forces element-wise loads; column-major loads
+are 16-byte vectors along Cout (H200, bf16, 16384 x 640 -> r 128 -> 5120: 221 vs 420 us).
 All four tensors of one dtype (float16, bfloat16, float32). Segment tensors, each 1-D (S,),
 contiguous, on x's device: seg_lo, seg_hi, seg_rank_off, seg_rank, seg_slot int32; seg_scale
 float32. Units: rows (tokens), rank columns, elements.
@@ -53,7 +53,7 @@ nearest; Triton's CPU interpreter truncates float32 -> bfloat16, and its bf16 tl
 so under the interpreter bf16 operands are upcast to float32 first: exact products).
 
 CUDA graphs: the wrapper only allocates (v, and copies of a_cat/b_cat when their layout needs
-one) and launches two kernels; nothing is read back to the host. Call it once outside capture
+one) and launches kernels; nothing is read back to the host. Call it once outside capture
 per (dtype, RANK_PAD) so the kernels are compiled before capturing.
 
 `_reference` (torch; loops over the segments on the host, checks the invariants there) is what
@@ -81,17 +81,18 @@ BLOCK_M = 64  # rows per program (both launches)
 
 
 class _Config(NamedTuple):
-    block_k: int  # Cin step of the shrink
-    shrink_warps: int  # (8 when RANK_PAD > 128)
+    block_k: int  # Cin step of the shrink (halved when RANK_PAD > 64)
+    shrink_warps: int  # (8 when RANK_PAD > 64)
     shrink_stages: int
     block_n: int  # output columns per expand program
     block_r: int  # rank step of the expand (at most RANK_PAD)
 
 
-# Keyed by "inputs are float32". fp16/bf16: from sweeps on an H200 (triton 3.6, bf16, N 8192 x
-# 1280 -> r 64 -> 1280 and 16384 x 640 -> r 128 -> 5120); the expand ran with 4 warps and one
-# stage best. float32 (IEEE products, no tensor cores) is a correctness path, not tuned.
-_CONFIGS = {False: _Config(64, 8, 4, 128, 64), True: _Config(32, 4, 2, 64, 32)}
+# Keyed by "inputs are float32". fp16/bf16: from sweeps on an H200 (triton 3.6, bf16; N x Cin ->
+# r -> Cout of 8192 x 1280 -> 64 -> 1280, 16384 x 640 -> 128 -> 5120, 4096 x 5120 -> 32 -> 640,
+# 2048 x 1280 -> 16 -> 1280); the expand ran best with 4 warps and one stage. float32 (IEEE
+# products, no tensor cores) is a correctness path, not tuned.
+_CONFIGS = {False: _Config(128, 4, 4, 128, 64), True: _Config(64, 4, 2, 64, 32)}
 
 
 @triton.jit
@@ -257,11 +258,12 @@ def segmented_lora(x: torch.Tensor, y: torch.Tensor, a_cat: torch.Tensor, b_cat:
         return
     if a_cat.stride(1) != 1:
         a_cat = a_cat.contiguous()
-    if b_cat.stride(1) != 1 and b_cat.stride(0) != 1:
-        b_cat = b_cat.contiguous()
+    if b_cat.stride(0) != 1:  # column-major: vector loads of B whatever the rank offsets
+        b_cat = b_cat.t().contiguous().t()
     fp32 = x.dtype == torch.float32
     rank_pad = max(16, triton.next_power_of_2(max_rank))
     cfg = _CONFIGS[fp32]
+    big_rank = rank_pad > 64
     prec = "ieee" if fp32 else "tf32"  # tf32 is unused: fp16/bf16 operands
     dot_fp32 = _interpreting() and x.dtype == torch.bfloat16
     v = torch.empty(N, num_slots, rank_pad, dtype=x.dtype, device=x.device)
@@ -270,9 +272,9 @@ def segmented_lora(x: torch.Tensor, y: torch.Tensor, a_cat: torch.Tensor, b_cat:
     if cin > 0:
         _shrink_kernel[(m_tiles,)](x, a_cat, v, *seg, seg_scale, N, cin, rtot, S, num_slots,
                                    x.stride(0), a_cat.stride(0), v.stride(0), v.stride(1),
-                                   BLOCK_M=BLOCK_M, BLOCK_K=cfg.block_k, RANK_PAD=rank_pad,
-                                   DOT_PREC=prec, DOT_FP32=dot_fp32,
-                                   num_warps=cfg.shrink_warps if rank_pad <= 128 else 8,
+                                   BLOCK_M=BLOCK_M, BLOCK_K=cfg.block_k // (1 + big_rank),
+                                   RANK_PAD=rank_pad, DOT_PREC=prec, DOT_FP32=dot_fp32,
+                                   num_warps=8 if big_rank else cfg.shrink_warps,
                                    num_stages=cfg.shrink_stages)  # fmt: skip
     else:  # x @ A.T of an empty inner dim is 0 (the deltas are 0, covered rows still rewritten)
         v.zero_()
