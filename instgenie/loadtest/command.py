@@ -108,6 +108,20 @@ def add_loadtest_parser(sub) -> None:
         help="edit this registered template instead (repeatable)",
     )
     p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="ID[:SCALE]",
+        help="a registered LoRA (POST /v1/loras) the edits name (repeatable): edit i names the "
+        "(i mod count)-th, so a batch mixes them",
+    )
+    p.add_argument(
+        "--lora-fraction",
+        type=float,
+        default=1.0,
+        help="with --lora: the fraction of edits (drawn per edit) that name a LoRA",
+    )
+    p.add_argument(
         "--full",
         action="store_true",
         help="send unregistered images instead of template ids (the full path)",
@@ -170,6 +184,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise WorkloadError("--full sends unregistered images; it takes no --template-id")
     if not 0.0 <= args.full_fraction <= 1.0 or (args.full and args.full_fraction):
         raise WorkloadError("--full-fraction must be in [0, 1] and is not used with --full")
+    if not 0.0 <= args.lora_fraction <= 1.0:
+        raise WorkloadError("--lora-fraction must be in [0, 1]")
     workload.check_size(args.size)
 
 
@@ -277,6 +293,9 @@ def edit_body(
         body["num_inference_steps"] = args.steps
     if args.guidance is not None:
         body["guidance_scale"] = args.guidance
+    if args.lora and np.random.default_rng([seed, 7]).random() < args.lora_fraction:
+        lora_id, _, scale = args.lora[seed % len(args.lora)].partition(":")
+        body["loras"] = [{"id": lora_id, "scale": float(scale or 1.0)}]
     return body
 
 
