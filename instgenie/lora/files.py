@@ -25,7 +25,7 @@ from diffusers.utils.state_dict_utils import (
     DIFFUSERS_TO_PEFT,
     UNET_TO_DIFFUSERS,
 )
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 
 from instgenie.errors import LoraFileError, LoraUnknownKeys
@@ -41,7 +41,7 @@ class LoraLayer:
     #: one of COMPONENTS, and the nn.Linear's path inside it (diffusers / transformers names)
     component: str
     module: str
-    #: float32, (rank, in_features) and (out_features, rank), on the CPU
+    #: (rank, in_features) and (out_features, rank), on the CPU, in the file's dtype
     down: torch.Tensor
     up: torch.Tensor
     #: alpha / rank: delta(x) = scale * up @ down @ x
@@ -84,11 +84,36 @@ def read_lora(data: bytes, pipeline_cls: type, unet_config: Mapping | None = Non
         raise LoraFileError("file", f"not a readable safetensors file ({exc})") from None
     if not raw:
         raise LoraFileError("file", "the file holds no tensors")
-    metadata = _metadata(data)
+    return convert(raw, _metadata(data), pipeline_cls, unet_config)
+
+
+def part_of_key(key: str) -> str:
+    """ "text" or "backbone": which model part a raw key of a LoRA file adapts (any format)."""
+    return "text" if key.startswith(("text_encoder", "lora_te")) else "backbone"
+
+
+def read_part(path, part: str, pipeline_cls: type, unet_config: Mapping | None = None):
+    """Only the `part` ("text" | "backbone") of a LoRA file, read lazily from disk (a prompt
+    encode needs the small text part now; the backbone part loads beside the batch). None if
+    the file adapts nothing of that part."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = [k for k in f.keys() if part_of_key(k) == part]
+            raw = {k: f.get_tensor(k) for k in keys}
+            metadata = f.metadata() or {}
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise LoraFileError("file", f"not a readable safetensors file ({exc})") from None
+    if not raw:
+        return None
+    return convert(raw, metadata, pipeline_cls, unet_config)
+
+
+def convert(raw: dict, metadata: dict, pipeline_cls: type,
+            unet_config: Mapping | None = None) -> LoraWeights:  # fmt: skip
+    """A LoRA state dict (any format) as pairs per linear layer."""
     dora = sorted(k for k in raw if "dora_scale" in k or "lora_magnitude_vector" in k)
     if dora:
         raise LoraUnknownKeys("file", f"DoRA weights are not supported ({dora[0]})")
-    raw = {k: v.float() if v.is_floating_point() else v for k, v in raw.items()}
     kwargs = {"unet_config": unet_config} if unet_config is not None else {}
     log_level = logging.getLogger("diffusers").level
     logging.getLogger("diffusers").setLevel(logging.ERROR)  # its format warnings: we raise instead

@@ -26,7 +26,7 @@ import torch
 from instgenie.config import LoraConfig
 from instgenie.errors import LoraError, LoraNotFound, ValidationError
 from instgenie.lora import apply
-from instgenie.lora.files import BACKBONES, COMPONENTS, LoraWeights, read_lora
+from instgenie.lora.files import BACKBONES, COMPONENTS, LoraWeights, read_part
 from instgenie.lora.lru import ByteLru
 from instgenie.lora.targets import Table, conform
 
@@ -88,18 +88,20 @@ class AdapterStore:
     def exists(self, lora_id: str) -> bool:
         return lora_path(self.directory, lora_id).is_file()
 
-    def weights(self, lora_id: str) -> LoraWeights:
-        """The parsed, checked pairs in the model's dtype (pinned on a CUDA host)."""
-        w = self.host.get(lora_id)
+    def weights(self, lora_id: str, part: str) -> LoraWeights:
+        """The parsed, checked pairs of `part` in the model's dtype (pinned on a CUDA host);
+        only that part's tensors are read from the file."""
+        w = self.host.get((lora_id, part))
         if w is not None:
             return w
         path = lora_path(self.directory, lora_id)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise LoraNotFound("loras", f"no LoRA {lora_id[:12]} is registered") from None
-        w = conform(read_lora(data, self.pipeline_cls, self.unet_config), self.table,
-                    self.cfg.lora_max_rank)  # fmt: skip
+        if not path.is_file():
+            raise LoraNotFound("loras", f"no LoRA {lora_id[:12]} is registered")
+        w = read_part(path, part, self.pipeline_cls, self.unet_config)
+        if w is None:
+            w = LoraWeights(())
+        else:
+            w = conform(w, self.table, self.cfg.lora_max_rank)
         pin = self.device.type == "cuda"
         layers = []
         for x in w.layers:
@@ -109,7 +111,7 @@ class AdapterStore:
             # up kept rank-major, (out, r) as a transposed view (.to(device) keeps the strides)
             layers.append(type(x)(x.component, x.module, down, up_t.T, x.scale))
         w = LoraWeights(tuple(layers))
-        self.host.put(lora_id, w, w.nbytes(self.dtype.itemsize))
+        self.host.put((lora_id, part), w, w.nbytes(self.dtype.itemsize))
         return w
 
     # ---- device tier -----------------------------------------------------------------------
@@ -117,7 +119,7 @@ class AdapterStore:
         """Loader thread: host pairs -> device on the side stream; returns the adapter and the
         event its copies complete at (None on a CPU device)."""
         t0 = time.perf_counter()
-        w = self.weights(lora_id)
+        w = self.weights(lora_id, part)
         pairs, nbytes = {}, 0
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with ctx:
@@ -160,7 +162,8 @@ class AdapterStore:
         except LoraError as exc:
             self._loads.pop(key, None)
             self._failed[lora_id] = exc
-            self.host.remove(lora_id)
+            for p in PARTS:
+                self.host.remove((lora_id, p))
             raise
         if event is not None:
             if wait:
@@ -213,9 +216,9 @@ class AdapterStore:
 
     def forget(self, lora_id: str) -> None:
         """A deleted LoRA: drop it from both tiers (requests using it keep their tensors)."""
-        self.host.remove(lora_id)
         self._failed.pop(lora_id, None)
         for part in PARTS:
+            self.host.remove((lora_id, part))
             self.gpu.remove((lora_id, part))
 
     def close(self) -> None:

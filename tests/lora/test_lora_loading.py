@@ -138,8 +138,8 @@ def test_typed_errors(tmp_path) -> None:
             else:
                 lora_id = register(tmp_path, content)
             with pytest.raises(err):
-                store.weights(lora_id)
-            assert lora_id not in store.host  # nothing kept half-way
+                store.weights(lora_id, "backbone")
+            assert (lora_id, "backbone") not in store.host  # nothing kept half-way
         with pytest.raises(LoraNotFound):
             pipe.validate(_request(FAMILY, "x", [("ef" * 32, 1.0)]))
     finally:
