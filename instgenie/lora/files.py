@@ -59,6 +59,8 @@ class LoraLayer:
 @dataclass(frozen=True)
 class LoraWeights:
     layers: tuple[LoraLayer, ...]
+    #: the one buffer every pair is a view of (the store's host tier), else None
+    flat: torch.Tensor | None = None
 
     @property
     def max_rank(self) -> int:

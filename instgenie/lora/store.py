@@ -26,7 +26,7 @@ import torch
 from instgenie.config import LoraConfig
 from instgenie.errors import LoraError, LoraNotFound, ValidationError
 from instgenie.lora import apply
-from instgenie.lora.files import BACKBONES, COMPONENTS, LoraWeights, read_part
+from instgenie.lora.files import COMPONENTS, LoraWeights, read_part
 from instgenie.lora.lru import ByteLru
 from instgenie.lora.targets import Table, conform
 
@@ -53,10 +53,6 @@ def check_refs(refs, max_per_request: int) -> tuple[tuple[str, float], ...]:
         if not -8.0 <= s <= 8.0:  # also refuses NaN
             raise ValidationError("loras", f"scale {s} of {i[:12]} is not in [-8, 8]")
     return refs
-
-
-def _part_of(component: str) -> str:
-    return "backbone" if component in BACKBONES else "text"
 
 
 class AdapterStore:
@@ -102,15 +98,21 @@ class AdapterStore:
             w = LoraWeights(())
         else:
             w = conform(w, self.table, self.cfg.lora_max_rank)
-        pin = self.device.type == "cuda"
-        layers = []
+        # one (pinned) buffer per part: one host allocation and one DMA per load, instead of a
+        # cudaHostAlloc and a copy per tensor (thousands for an SDXL LoRA)
+        total = sum(x.down.numel() + x.up.numel() for x in w.layers)
+        flat = torch.empty(total, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        layers, at = [], 0
         for x in w.layers:
-            down, up_t = x.down.to(self.dtype), x.up.T.to(self.dtype).contiguous()
-            if pin:
-                down, up_t = down.pin_memory(), up_t.pin_memory()
-            # up kept rank-major, (out, r) as a transposed view (.to(device) keeps the strides)
+            down = flat[at : at + x.down.numel()].view(x.down.shape)
+            at += x.down.numel()
+            up_t = flat[at : at + x.up.numel()].view(x.up.shape[1], x.up.shape[0])
+            at += x.up.numel()
+            down.copy_(x.down)
+            up_t.copy_(x.up.T)
+            # up kept rank-major: (out, r) as a transposed view (the kernel's layout)
             layers.append(type(x)(x.component, x.module, down, up_t.T, x.scale))
-        w = LoraWeights(tuple(layers))
+        w = LoraWeights(tuple(layers), flat)
         self.host.put((lora_id, part), w, w.nbytes(self.dtype.itemsize))
         return w
 
@@ -120,16 +122,16 @@ class AdapterStore:
         event its copies complete at (None on a CPU device)."""
         t0 = time.perf_counter()
         w = self.weights(lora_id, part)
-        pairs, nbytes = {}, 0
+        pairs = {}
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with ctx:
+            flat = w.flat.to(self.device, non_blocking=True)  # one DMA
             for x in w.layers:
-                if _part_of(x.component) != part:
-                    continue
-                down = x.down.to(self.device, non_blocking=True)
-                up = x.up.to(self.device, non_blocking=True)
+                # the same views of the device copy as of the host buffer
+                down = flat.as_strided(x.down.shape, x.down.stride(), x.down.storage_offset())
+                up = flat.as_strided(x.up.shape, x.up.stride(), x.up.storage_offset())
                 pairs[x.key] = (down, up, x.scale)
-                nbytes += (down.numel() + up.numel()) * down.element_size()
+            nbytes = flat.numel() * flat.element_size()
             event = None
             if self._stream is not None:
                 event = torch.cuda.Event()
@@ -171,9 +173,9 @@ class AdapterStore:
             elif not event.query():
                 return None
             cur = torch.cuda.current_stream(self.device)
-            for down, up, _ in ad.pairs.values():  # freed tensors must wait for the compute stream
-                down.record_stream(cur)
-                up.record_stream(cur)
+            for down, _, _ in ad.pairs.values():  # freed memory must wait for the compute stream
+                down.record_stream(cur)  # (every pair is a view of one allocation)
+                break
         del self._loads[key]
         apply.install(self.components, ad.pairs.keys())
         for evicted in self.gpu.put(key, ad, ad.nbytes):
