@@ -178,6 +178,9 @@ class RegisterTemplate(ClientToWorker):  # build and keep a template's activatio
     guidance_scale: float | None = None  # CFG scale (part of the cache key)
     strength: float = 1.0  # fraction of the noise schedule, (0, 1]
     mask: bytes | None = None  # encoded mask; None: whole image
+    #: (LoRA id (64 hex), scale) the capture runs with, in order (part of the cache key); edits
+    #: naming the same LoRAs read activations made with them; [] = a cache made without adapters
+    loras: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

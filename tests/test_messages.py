@@ -60,6 +60,7 @@ EXAMPLES: list[w.Message] = [
     m.RegisterTemplate(
         template_id="ef" * 32, image=b"img", prompt="a cat", negative_prompt=None, seed=1,
         num_inference_steps=30, guidance_scale=5.0, strength=1.0, mask=b"m",
+        loras=[("0a" * 32, 0.75), ("0b" * 32, -1.0)],
     ),
     m.Cancel(uid="u1"),
     m.Shutdown(drain=False),

@@ -7,7 +7,8 @@ a JSON sidecar `<id>.json` with its record. Both are written atomically (a tempo
 renamed), the file before the sidecar; at start the records are read back from the sidecars
 (a file without its sidecar - a registration or deletion cut short - is removed).
 Invariants: nothing is written for a file that fails its checks (typed LoRA error: 422 with its
-code); registering the same bytes again returns the existing record (200; new: 201).
+code); registering the same bytes again returns the existing record (200; new: 201); a LoRA
+a registered template was captured with is not deleted (409 lora_in_use, TemplateRegistry).
 """
 
 from __future__ import annotations
@@ -227,7 +228,12 @@ async def get_lora(request: Request, lora_id: str) -> dict:
 
 
 @router.delete("/v1/loras/{lora_id}", response_model=DeletedResponse, responses=ERRORS,
-               summary="Unregister a LoRA and remove its file")  # fmt: skip
+               summary="Unregister a LoRA and remove its file (409 while a template uses "
+               "it)")  # fmt: skip
 async def delete_lora(request: Request, lora_id: str) -> dict:
-    rec = await _registry(request).delete(lora_id)
+    reg = _registry(request)
+    reg.get(lora_id)  # 404 first
+    # 409 lora_in_use while a registered template was captured with it
+    templates = request.app.state.runtime.templates
+    rec = await templates.unless_lora_used(lora_id, lambda: reg.delete(lora_id))
     return {"id": rec["id"], "object": "lora", "deleted": True}

@@ -33,7 +33,7 @@ from instgenie.server.schemas import (
     TemplateResponse,
     request_body,
 )
-from instgenie.server.templates import TemplateRecord, template_id_of
+from instgenie.server.templates import TemplateRecord, lora_refs, template_id_of
 from instgenie.server.uploads import parse_body, url_refused
 
 log = logging.getLogger("instgenie.server")
@@ -101,6 +101,7 @@ def _template_view(rt: Runtime, rec: TemplateRecord) -> dict:
         "seed": m.seed,
         "num_inference_steps": m.num_inference_steps,
         "guidance_scale": m.guidance_scale,
+        "loras": lora_refs(m),
         "build_ms": max((b.build_ms for b in rec.builds.values()), default=0.0)
         if state == "ready"
         else None,
@@ -132,6 +133,8 @@ async def create_template(request: Request) -> JSONResponse:
     rt.check_params(
         params.prompt, params.negative_prompt, params.num_inference_steps, params.guidance_scale
     )
+    loras = [(r.id, r.scale) for r in params.loras or ()]
+    refs = rt.loras.check(loras)  # 422 form or count, 404 lora_not_found
     info = rt.probe(image, "image")
     mask = blobs.get("mask")
     if mask is not None:
@@ -150,7 +153,7 @@ async def create_template(request: Request) -> JSONResponse:
     rt.check_cost(work[0] * work[1], steps, params.guidance_scale, params.strength,
                   what="this template's capture run")  # fmt: skip
     msg = RegisterTemplate(
-        template_id=template_id_of(image),
+        template_id=template_id_of(image, refs),
         image=image,
         prompt=params.prompt,
         negative_prompt=params.negative_prompt,
@@ -159,8 +162,12 @@ async def create_template(request: Request) -> JSONResponse:
         guidance_scale=params.guidance_scale,
         strength=params.strength,
         mask=mask,
+        loras=refs,
     )
-    rec, created = await rt.templates.register(TemplateRecord(msg, info.width, info.height))
+    # its LoRAs checked again under the registration lock: none deleted meanwhile
+    rec, created = await rt.templates.register(
+        TemplateRecord(msg, info.width, info.height), check=lambda: rt.loras.check(loras)
+    )
     return JSONResponse(_template_view(rt, rec), status_code=202 if created else 200)
 
 

@@ -65,7 +65,8 @@ _Strength = Field(1.0, gt=0, le=1, allow_inf_nan=False, description="fraction of
 _TemplateId = Field(
     None,
     pattern=r"^[0-9a-f]{64}$",
-    description="id of a registered template (sha256 of its image bytes, hex)",
+    description="id of a registered template (sha256 of its image bytes, hex; with its LoRAs "
+    "when captured with some)",
 )
 _Url = Field(None, description="not supported: this server never fetches URLs (422)")
 
@@ -140,6 +141,13 @@ class TemplateParams(_Strict):
     num_inference_steps: int | None = _Steps
     guidance_scale: float | None = _Guidance
     strength: float = _Strength
+    loras: LoraRefs = Field(
+        None,
+        description='LoRAs the capture runs with, in order: [{"id": "<64 hex>", "scale": 1.0}, '
+        "...] (a JSON string in a multipart form); at most the server's --lora-max-per-request. "
+        "Edits of the template that name the same LoRAs read activations made with them. The "
+        "template's id then hashes the LoRAs too: another template than the image's without",
+    )
     image_url: Text | None = _Url
 
 
@@ -297,6 +305,9 @@ class TemplateResponse(BaseModel):
     seed: int
     num_inference_steps: int | None
     guidance_scale: float | None
+    loras: list[LoraRef] = Field(
+        default_factory=list, description="the LoRAs its cache was captured with, in order"
+    )
     build_ms: float | None = Field(description="slowest worker's build, ms; null until ready")
     bytes_by_tier: dict[str, int] = Field(description="cache bytes per tier, all workers")
     error: str | None

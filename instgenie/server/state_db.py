@@ -36,7 +36,7 @@ from instgenie.errors import InstGenIEError
 from instgenie.messages import RegisterTemplate
 
 #: the schema this code writes; MIGRATIONS[v] takes a file from version v - 1 to v
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: templates.loras
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
         """CREATE TABLE templates (
@@ -64,6 +64,10 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             error TEXT                      -- JSON: {"code", "message", "field"?}
         )""",
         "CREATE INDEX jobs_created ON jobs (created)",
+    ),
+    2: (
+        # JSON [[id, scale], ...]: RegisterTemplate.loras; "" = none (every version-1 row)
+        "ALTER TABLE templates ADD COLUMN loras TEXT NOT NULL DEFAULT ''",
     ),
 }
 DEFAULT_NAME = "server.sqlite3"  # under the cache root
@@ -196,14 +200,17 @@ class StateDB:
         """Every stored template, oldest first."""
         rows = self._read(
             "SELECT id, image, mask, prompt, negative_prompt, seed, num_inference_steps, "
-            "guidance_scale, strength, width, height, created FROM templates ORDER BY created"
+            "guidance_scale, strength, width, height, created, loras FROM templates "
+            "ORDER BY created"
         )
         out = []
-        for tid, image, mask, prompt, neg, seed, steps, guidance, strength, w, h, created in rows:
+        for (tid, image, mask, prompt, neg, seed, steps, guidance, strength, w, h, created,
+             loras) in rows:  # fmt: skip
             msg = RegisterTemplate(
                 template_id=tid, image=bytes(image), mask=None if mask is None else bytes(mask),
                 prompt=prompt, negative_prompt=neg, seed=seed, num_inference_steps=steps,
                 guidance_scale=guidance, strength=strength,
+                loras=[(str(i), float(s)) for i, s in json.loads(loras)] if loras else [],
             )  # fmt: skip
             out.append(StoredTemplate(msg, w, h, created))
         return out
@@ -212,10 +219,12 @@ class StateDB:
         m = t.msg
         with self._txn() as c:
             c.execute(
-                "INSERT OR REPLACE INTO templates VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO templates (id, image, mask, prompt, negative_prompt, "
+                "seed, num_inference_steps, guidance_scale, strength, width, height, created, "
+                "loras) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (m.template_id, m.image, m.mask, m.prompt, m.negative_prompt, m.seed,
                  m.num_inference_steps, m.guidance_scale, m.strength, t.width, t.height,
-                 t.created),
+                 t.created, json.dumps([[i, s] for i, s in m.loras]) if m.loras else ""),
             )  # fmt: skip
 
     def delete_template(self, template_id: str) -> None:

@@ -1,13 +1,15 @@
 """Registered templates: one record per template id, built on one node, then where edits go.
 
 A template id is the sha256 of the template image's bytes (hex), so an edit that uploads the same
-image bytes (an OpenAI client, a native edit by image) finds it. Registration returns at once;
-its cache is built on every accepting worker of ONE node (scheduler/placement.py; one host = one
-node = every worker): RegisterTemplate is sent at once, in order with later edits, and the reply
-future is bridged to the event loop. A worker without a build record gets RegisterTemplate right
-before an edit of the template (`ensure`, called by the dispatcher): where its node's DRAM/disk
-holds the cache that answers at once and the edit reads it; elsewhere a capture starts and the
-edit runs the full path beside it (replication follows the router's prices: placement.py).
+image bytes (an OpenAI client, a native edit by image) finds it; a template captured with LoRAs
+hashes them too (`template_id_of`), so such an edit never finds it (it names it by id). Registration
+returns at once; its cache is built on every accepting worker of ONE node (scheduler/placement.py;
+one host = one node = every worker): RegisterTemplate is sent at once, in order with later edits,
+and the reply future is bridged to the event loop. A worker without a build record gets
+RegisterTemplate right before an edit of the template (`ensure`, called by the dispatcher): where
+its node's DRAM/disk holds the cache that answers at once and the edit reads it; elsewhere a capture
+starts and the edit runs the full path beside it (replication follows the router's prices:
+placement.py).
 Invariants (event loop thread only):
 - `slot.templates_ready` / `slot.template_tiers` are where each registered template's cache is
   resident for that worker, as its last Stats answer says (`refresh`: an eviction is seen), with
@@ -18,6 +20,9 @@ Invariants (event loop thread only):
 - Overall state: "failed" if any worker refused the template (bad content fails everywhere),
   else "ready" once, on at least one node, every accepting worker that was sent it has it
   ready (on one host: every worker that was up at registration), else "building".
+- A registered template's LoRAs are registered: a registration checks them (`register`'s
+  `check`) and a LoRA's deletion looks for templates naming it (`unless_lora_used`) under the
+  same lock, so neither can slip between the other's check and change.
 - With a state database (state_db.py), `records` is what the database holds: a registration or
   deletion is committed there first, then applied here (one at a time, under `_lock`; the
   commit runs on the database's writer thread), so the API answers only durable changes and a
@@ -28,10 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from instgenie.messages import RegisterTemplate
 from instgenie.scheduler.placement import NodeView, place
@@ -44,12 +52,26 @@ from instgenie.worker.client import WorkerError
 
 log = logging.getLogger("instgenie.server")
 
+T = TypeVar("T")
+
 #: cache tiers a node's workers share (the host cache); "gpu"/"cpu" are one loop's own
 NODE_TIERS = ("dram", "disk")
 
 
-def template_id_of(image: bytes) -> str:
-    return hashlib.sha256(image).hexdigest()
+def template_id_of(image: bytes, loras: Sequence[tuple[str, float]] = ()) -> str:
+    """sha256 hex of the image bytes; a template captured with LoRAs: of the image bytes, a NUL
+    and the LoRAs as canonical JSON `[[id, scale], ...]` (in order), so it is another template
+    than the same image's without them (whose id, the one an edit posting the image finds,
+    stays the bytes' hash)."""
+    if not loras:
+        return hashlib.sha256(image).hexdigest()
+    refs = json.dumps([[str(i), float(s)] for i, s in loras], separators=(",", ":"))
+    return hashlib.sha256(image + b"\0" + refs.encode()).hexdigest()
+
+
+def lora_refs(msg: RegisterTemplate) -> list[dict]:
+    """A template's LoRAs as the API shows them: [{"id", "scale"}, ...]."""
+    return [{"id": i, "scale": s} for i, s in msg.loras]
 
 
 @dataclass
@@ -199,14 +221,45 @@ class TemplateRegistry:
             )
         return rec
 
-    async def register(self, rec: TemplateRecord) -> tuple[TemplateRecord, bool]:
+    async def register(
+        self, rec: TemplateRecord, check: Callable[[], object] | None = None
+    ) -> tuple[TemplateRecord, bool]:
         """(the record, created now); registering the same content again is a no-op. Applied
-        even if the caller is cancelled once its commit is under way."""
-        return await asyncio.shield(self._register(rec))
+        even if the caller is cancelled once its commit is under way. `check` (raising
+        ApiError to refuse) runs first under the registration lock: the template's LoRAs are
+        still registered (see `unless_lora_used`)."""
+        return await asyncio.shield(self._register(rec, check))
 
-    async def _register(self, rec: TemplateRecord) -> tuple[TemplateRecord, bool]:
+    async def _register(
+        self, rec: TemplateRecord, check: Callable[[], object] | None
+    ) -> tuple[TemplateRecord, bool]:
         async with self._lock:
+            if check is not None:
+                check()
             return await self._register_locked(rec)
+
+    def lora_users(self, lora_id: str) -> list[str]:
+        """Ids of the registered templates captured with LoRA `lora_id`, sorted."""
+        return sorted(
+            tid for tid, rec in self.records.items() if any(i == lora_id for i, _ in rec.msg.loras)
+        )
+
+    async def unless_lora_used(self, lora_id: str, action: Callable[[], Awaitable[T]]) -> T:
+        """`action()` (a LoRA's deletion) under the registration lock, unless a registered
+        template names LoRA `lora_id`: then 409 lora_in_use naming it (a template never names
+        a LoRA whose file is gone)."""
+        async with self._lock:
+            users = self.lora_users(lora_id)
+            if users:
+                more = f" and {len(users) - 1} more" if len(users) > 1 else ""
+                raise ApiError(
+                    409,
+                    "lora_in_use",
+                    f"LoRA {lora_id} is used by template {users[0]}{more}; DELETE "
+                    f"{'them' if more else 'it'} first",
+                    "id",
+                )
+            return await action()
 
     async def _register_locked(self, rec: TemplateRecord) -> tuple[TemplateRecord, bool]:
         old = self.records.get(rec.template_id)

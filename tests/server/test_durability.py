@@ -8,6 +8,7 @@ host index and the state file."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import sqlite3
@@ -19,6 +20,7 @@ import pytest
 from instgenie.messages import RegisterTemplate
 from instgenie.server.jobs import JobTable
 from instgenie.server.state_db import (
+    MIGRATIONS,
     SCHEMA_VERSION,
     JobState,
     StateDB,
@@ -106,6 +108,39 @@ def test_state_db_refuses_a_newer_schema_a_non_database_and_a_second_server(
     sqlite3.connect(old).close()
     with StateDB(old) as db:
         assert db.version == SCHEMA_VERSION and db.load_jobs() == []
+
+
+def test_a_version_1_file_migrates_and_templates_keep_their_loras(tmp_path: Path) -> None:
+    """Version 2 added templates.loras: a version-1 file (rows without it) opens migrated, its
+    templates with no LoRAs; a template's LoRAs are written and read back in order."""
+    path = tmp_path / "v1.sqlite3"
+    raw = sqlite3.connect(path)
+    for sql in MIGRATIONS[1]:
+        raw.execute(sql)
+    m = _template().msg
+    raw.execute(
+        "INSERT INTO templates VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (m.template_id, m.image, None, m.prompt, None, m.seed, m.num_inference_steps, None,
+         m.strength, 64, 48, 1700000000.5),
+    )  # fmt: skip
+    raw.execute("PRAGMA user_version = 1")
+    raw.commit()
+    raw.close()
+    assert SCHEMA_VERSION == 2
+    loras = [("ee" * 32, 0.5), ("11" * 32, -2.0)]
+    msg = dataclasses.replace(m, template_id="cd" * 32, loras=loras)
+    with_loras = dataclasses.replace(_template("cd" * 32), created=1700000001.0, msg=msg)
+    with StateDB(path) as db:
+        assert db.version == 2
+        assert db.load_templates() == [_template()]  # loras [] from the column's default
+        db.put_template(with_loras)
+    with StateDB(path) as db:
+        assert db.load_templates() == [_template(), with_loras]
+        assert db.load_templates()[1].msg.loras == loras
+    raw = sqlite3.connect(path)
+    rows = dict(raw.execute("SELECT id, loras FROM templates").fetchall())
+    raw.close()
+    assert rows == {TID: "", "cd" * 32: json.dumps([["ee" * 32, 0.5], ["11" * 32, -2.0]])}
 
 
 # ---- the job table over it ---------------------------------------------------------------------
