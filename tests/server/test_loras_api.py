@@ -59,14 +59,17 @@ class Served:
         return {p.name for p in self.dir.iterdir()}
 
 
-@pytest.fixture(scope="module")
-def served():
+def serve_module():
+    """A module's server (its own state directory), stopped cleanly at the module's end."""
     s = Served()
     yield s
     try:
         assert s.srv.stop() == 0, s.srv.log()[-3000:]
     finally:
         shutil.rmtree(s.root, ignore_errors=True)
+
+
+served = pytest.fixture(scope="module")(serve_module)
 
 
 def post_lora(srv: ServerProcess, data: bytes, name: str | None = None):

@@ -9,25 +9,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import shutil
 import time
 
 import pytest
 
 from tests.server.test_harness import ServerProcess, edit_files, image_png, mask_png
-from tests.server.test_loras_api import Served, lora_bytes, post_lora
+from tests.server.test_loras_api import Served, lora_bytes, post_lora, serve_module
 
 STEPS = "2"
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = Served()
-    yield s
-    try:
-        assert s.srv.stop() == 0, s.srv.log()[-3000:]
-    finally:
-        shutil.rmtree(s.root, ignore_errors=True)
+served = pytest.fixture(scope="module")(serve_module)
 
 
 def post_template(srv: ServerProcess, image: bytes, loras=None, as_json: bool = False):
