@@ -257,6 +257,7 @@ def cmd_edit(args: argparse.Namespace) -> int:
         fields["guidance_scale"] = str(args.guidance)
     if args.negative_prompt is not None:
         fields["negative_prompt"] = args.negative_prompt
+    _lora_field(args, fields)
     files = {"mask": _read(args.mask, "sample_mask.png", "mask")}
     if args.template_id:
         fields["template_id"] = args.template_id
@@ -305,6 +306,7 @@ def cmd_template(args: argparse.Namespace) -> int:
     fields = {"prompt": args.prompt, "seed": str(args.seed)}
     if args.steps is not None:
         fields["num_inference_steps"] = str(args.steps)
+    _lora_field(args, fields)
     files = {"image": _read(args.image, "sample.png", "image")}
     if args.mask:
         files["mask"] = _read(args.mask, "sample_mask.png", "mask")
@@ -329,6 +331,31 @@ def cmd_template(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_ERROR
+    return EXIT_OK
+
+
+def _lora_field(args: argparse.Namespace, fields: dict[str, str]) -> None:
+    """--lora ID[:SCALE] flags as the `loras` form field (a JSON list)."""
+    if args.lora:
+        refs = []
+        for text in args.lora:
+            lora_id, _, scale = text.partition(":")
+            refs.append({"id": lora_id, "scale": float(scale) if scale else 1.0})
+        fields["loras"] = json.dumps(refs)
+
+
+def cmd_lora(args: argparse.Namespace) -> int:
+    """lora add FILE [--name N] | lora list | lora rm ID."""
+    base = args.server.rstrip("/")
+    if args.lora_cmd == "add":
+        path = Path(args.file)
+        fields = {"name": args.name} if args.name else {}
+        body, ctype = encode_multipart(fields, {"file": (path.name, path.read_bytes())})
+        print(json.dumps(call("POST", base + "/v1/loras", body, ctype, timeout=600)))
+    elif args.lora_cmd == "list":
+        print(json.dumps(call("GET", base + "/v1/loras")))
+    else:
+        print(json.dumps(call("DELETE", f"{base}/v1/loras/{_q(args.lora_id)}")))
     return EXIT_OK
 
 
@@ -402,6 +429,21 @@ def add_client_parser(sub) -> None:
         help="--wait limit, seconds (> 0); still building then: exit status 1",
     )
     tmpl.set_defaults(func=run_client, client_func=cmd_template)
+
+    for p in (edit, tmpl):
+        p.add_argument("--lora", action="append", default=[], metavar="ID[:SCALE]",
+                       help="apply this registered LoRA (repeatable; scale default 1)")  # fmt: skip
+    lora = csub.add_parser("lora", help="register, list or remove LoRAs (POST /v1/loras)")
+    lsub = lora.add_subparsers(dest="lora_cmd", required=True)
+    add = lsub.add_parser("add", help="register a safetensors LoRA file")
+    add.add_argument("file")
+    add.add_argument("--name", default=None)
+    lsub.add_parser("list", help="the registered LoRAs")
+    rm = lsub.add_parser("rm", help="unregister a LoRA")
+    rm.add_argument("lora_id", metavar="ID")
+    for p in lsub.choices.values():
+        common(p)
+        p.set_defaults(func=run_client, client_func=cmd_lora)
 
     health = csub.add_parser("health", help="print the server's /health")
     common(health)

@@ -211,3 +211,25 @@ def test_lora_errors_keep_their_codes() -> None:
     e = ApiError.from_validation(LoraBaseMismatch("file", "other model"))
     assert (e.status_code, e.code) == (422, "lora_wrong_base")
     assert ApiError.from_validation(ValidationError("x", "y")).code == "invalid_request"
+
+
+def test_client_cli_lora_commands(served: Served, tmp_path: Path, capsys) -> None:
+    """`instgenie client lora add/list/rm` and `client edit --lora ID:SCALE`."""
+    from instgenie.cli import main
+
+    url = ["--server", served.srv.url]
+    path = tmp_path / "cli.safetensors"
+    path.write_bytes(lora_bytes(seed=21))
+    assert main(["client", "lora", "add", str(path), "--name", "cli", *url]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["name"] == "cli" and rec["id"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert main(["client", "lora", "list", *url]) == 0
+    assert rec["id"] in {r["id"] for r in json.loads(capsys.readouterr().out)["data"]}
+    out = tmp_path / "e.png"
+    args = ["client", "edit", "--prompt", "x", "--steps", "2", "-o", str(out), *url]
+    assert main([*args, "--lora", f"{rec['id']}:1.5"]) == 0
+    assert out.is_file()
+    assert main([*args, "--lora", f"{'9' * 64}"]) != 0  # unregistered: 404, a usage error
+    assert "lora_not_found" in capsys.readouterr().err
+    assert main(["client", "lora", "rm", rec["id"], *url]) == 0
+    assert json.loads(capsys.readouterr().out)["deleted"] is True
