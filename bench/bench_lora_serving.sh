@@ -6,13 +6,13 @@
 # registered with POST /v1/loras. Not a test. Results: docs/benchmarks/lora-*.md.
 #   OUT=out/lora MODEL=sdxl-inpaint:full bash bench/bench_lora_serving.sh
 # Environment: MODEL, SIZE (1024), STEPS (20), RATES ("0.5 1"), REQUESTS (24 per rate), RANK
-# (64), ASYNC_STEPS (3: --lora-async-steps), DEVICE (cuda:0), PORT (8000), OUT, SERVE_ARGS,
+# (64), ASYNC_STEPS (1: --lora-async-steps), DEVICE (cuda:0), PORT (8000), OUT, SERVE_ARGS,
 # LOADTEST_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL="${MODEL:-sdxl-inpaint:full}" SIZE="${SIZE:-1024}" STEPS="${STEPS:-20}"
 RATES="${RATES:-0.5 1}" REQUESTS="${REQUESTS:-24}" RANK="${RANK:-64}" PORT="${PORT:-8000}"
-OUT="${OUT:-out/lora}" ASYNC_STEPS="${ASYNC_STEPS:-3}" DEVICE="${DEVICE:-cuda:0}"
+OUT="${OUT:-out/lora}" ASYNC_STEPS="${ASYNC_STEPS:-1}" DEVICE="${DEVICE:-cuda:0}"
 mkdir -p "$OUT/files"
 py="${PYTHON:-python3}"
 $py bench/make_loras.py --model "$MODEL" --count 8 --rank "$RANK" --out "$OUT/files" > /dev/null
