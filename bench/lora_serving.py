@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-batch", action="store_true", help="cold latency only")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     pipe = EditPipeline.load(args.model, device="cuda")
@@ -98,12 +99,17 @@ def main() -> None:
             lat.setdefault(label, []).append(s)
             without = sum(1 for e in log if e.lora_without)
             res.setdefault("steps_without", {})[label] = without
+            # where the time goes: each step's host time and kind (graph replay, capture, ...)
+            res.setdefault("cold_steps", {})[label] = [
+                (round(e.duration_ms, 1), e.graph, bool(e.lora_held)) for e in log
+            ]
         res.setdefault("cold_latency_s", {})[label] = statistics.median(lat[label])
     res["cold_latency_runs_s"] = lat
     res["loads_ms"] = [ms for _, part, ms in pipe.loras.loaded if part == "backbone"][-5:]
     # batch-8 throughput, adapters warm (on the device)
-    for label, loras in [("none", [[]] * 8), ("shared", [[(ids[0], 1.0)]] * 8),
-                         ("distinct", [[(ids[i], 1.0)] for i in range(8)])]:  # fmt: skip
+    batches = [] if args.skip_batch else [("none", [[]] * 8), ("shared", [[(ids[0], 1.0)]] * 8),
+                         ("distinct", [[(ids[i], 1.0)] for i in range(8)])]  # fmt: skip
+    for label, loras in batches:
         _serve(pipe, _requests(8, args.size, args.steps, loras, 100), 0)  # load + warm graphs
         times, step_ms = [], []
         for rep in range(args.repeats):
