@@ -204,7 +204,7 @@ class LoraConfig:
     lora_host_bytes: int = 8 << 30
     #: bounded asynchronous loading (Katz / SwiftDiffusion): an edit whose adapter is still
     #: loading runs at most this many steps without it, then waits; 0 = wait from the start.
-    #: 1: on the reference model (20 steps) K = 1 kept 96 % of a style LoRA's effect, K = 3 73 %
+    #: 1: on the reference model (20 steps) K = 1 kept all of a style LoRA's effect, K = 3 77 %
     #: (docs/benchmarks/lora.md)
     lora_async_steps: int = 1
 
