@@ -20,7 +20,7 @@ from PIL import Image
 
 from instgenie.cache.disk import CacheMiss
 from instgenie.cache.store import ActivationStore, InMemoryStore, TemplateMeta, tier_of
-from instgenie.config import LimitsConfig, LoraConfig
+from instgenie.config import LimitsConfig
 from instgenie.engine.costspec import cost_spec
 from instgenie.engine.family import ModelFamily, load_family
 from instgenie.engine.imageio import (
@@ -35,11 +35,10 @@ from instgenie.engine.masked.tokens import pixel_mask_tensor
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.sizing import pixel_hint, resolve_limits, working_size
 from instgenie.engine.step_pricing import StepPricer
-from instgenie.engine.templates import TemplateRecord, TemplateSpec, template_key
-from instgenie.errors import LoraNotFound, TooManyPixelsError, ValidationError
+from instgenie.engine.templates import TemplateRecord, TemplateSpec, mismatch, template_key
+from instgenie.errors import TooManyPixelsError, ValidationError
 from instgenie.lora.apply import LoraBatch, use_lora
-from instgenie.lora.gate import LoraUse
-from instgenie.lora.store import AdapterStore, check_refs
+from instgenie.lora.store import AdapterStore, check_request
 from instgenie.messages import CacheOutcome, Path, Tier
 from instgenie.scheduler.fits import Profile
 from instgenie.scheduler.step import GraphUse, StepPlan, members_of
@@ -140,12 +139,7 @@ class EditPipeline:
             )
         if not 0.0 < float(req.strength) <= 1.0:
             raise ValidationError("strength", f"must be in (0, 1], got {req.strength!r}")
-        refs = getattr(req, "loras", ())
-        if refs:  # a process without a store (image pre-processing) checks the list's form only
-            limit = (self.loras.cfg if self.loras else LoraConfig()).lora_max_per_request
-            for lora_id, _ in check_refs(refs, limit):
-                if self.loras is not None and not self.loras.exists(lora_id):
-                    raise LoraNotFound("loras", f"no LoRA {lora_id[:12]} is registered")
+        check_request(getattr(req, "loras", ()), self.loras)
 
     def validate(self, req: EditRequest) -> tuple[Image.Image, Image.Image, int, int]:
         """Check every field; decode image and mask. Returns (image, mask, height, width)."""
@@ -301,7 +295,10 @@ class EditPipeline:
     def encode_inputs(self, inputs: DecodedInputs) -> RequestState:
         """Pre-processing's model half: prompt encoding (with the request's text-encoder
         LoRAs), VAE encoding, initial noise. Starts loading its backbone LoRAs."""
-        use = self._lora_use(inputs.request)
+        refs = inputs.request.loras
+        if refs and self.loras is None:
+            raise ValidationError("loras", "this model process serves no LoRAs")
+        use = self.loras.use_for(refs) if refs else None
         text = None
         if use is not None and use.text:
             text = LoraBatch.uniform_for(use.text, self.family.device, self.family.dtype)
@@ -317,29 +314,10 @@ class EditPipeline:
     def attach_loras(self, store: AdapterStore, async_steps: int = 0) -> None:
         self.loras, self.lora_async_steps = store, async_steps
 
-    def _lora_use(self, req: EditRequest) -> LoraUse | None:
-        if not req.loras:
-            return None
-        if self.loras is None:
-            raise ValidationError("loras", "this model process serves no LoRAs")
-        use = LoraUse(tuple((i, float(s)) for i, s in req.loras))
-        use.text = self.loras.adapters(use.refs, "text", wait=True)
-        for lora_id, _ in use.refs:  # the backbone parts load while the request waits/runs
-            self.loras.start(lora_id, "backbone")
-        return use
-
     def resolve_loras(self, state: RequestState, wait: bool) -> bool:
-        """Give `state` its backbone adapters if they are loaded (wait: block until they are).
-        True once it has them (or names none). A failed load raises its LoraError."""
-        use = state.lora
-        if use is None or use.adapters is not None:
-            return True
-        adapters = self.loras.adapters(use.refs, "backbone", wait=wait)
-        if adapters is None:
-            return False
-        self.loras.pin(use.refs, "backbone")
-        use.adapters = adapters
-        return True
+        """Give `state` its backbone adapters if they are loaded (wait: block until they are);
+        True once it has them or names none (AdapterStore.resolve)."""
+        return state.lora is None or self.loras.resolve(state.lora, wait)
 
     def preprocess(self, req: EditRequest, select_path: bool = True) -> RequestState:
         """Validate and prepare. With `select_path` (one process), an edit on a template picks
@@ -512,28 +490,3 @@ def _check_text(field: str, value: object, limit: int, *, required: bool) -> Non
         raise ValidationError(field, f"must be a string, got {type(value).__name__}")
     if len(value) > limit:
         raise ValidationError(field, f"is {len(value)} characters; the limit is {limit}")
-
-
-def mismatch(meta: TemplateMeta, state: RequestState, masks: dict) -> str | None:
-    """Why the template cache described by `meta` cannot serve `state`, else None."""
-    if len(meta.timesteps) != state.num_steps:
-        return (
-            f"the edit runs {state.num_steps} denoise steps but the template's cache was "
-            f"captured at {len(meta.timesteps)}: use the template's num_inference_steps "
-            "(and strength)"
-        )
-    if meta.timesteps != tuple(state.timesteps.tolist()):
-        return "the edit's step schedule (strength) differs from the template's"
-    if meta.latent_shape != tuple(state.latents.shape):
-        return (
-            f"the edit's working size (latents {tuple(state.latents.shape)}) differs from the "
-            f"template's {meta.latent_shape}"
-        )
-    if meta.num_rows < state.num_rows:
-        return (
-            "the edit uses classifier-free guidance but the template's cache was captured "
-            "without it (guidance_scale)"
-        )
-    if any(L not in masks for L, _ in meta.block_shapes.values()):
-        return "the template's cache has a token grid the edit's mask does not map to"
-    return None

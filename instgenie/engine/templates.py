@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from PIL import Image
 
 from instgenie.cache.keys import TemplateKey, pixel_digest
+from instgenie.cache.store import TemplateMeta
 from instgenie.engine.imageio import ImageInput
+from instgenie.engine.request import RequestState
 
 
 @dataclass(frozen=True)
@@ -83,3 +85,28 @@ def template_key(
         cache_dtype=cache_dtype,
         loras=json.dumps([[i, float(s)] for i, s in spec.loras]) if spec.loras else "",
     ).digest
+
+
+def mismatch(meta: TemplateMeta, state: RequestState, masks: dict) -> str | None:
+    """Why the template cache described by `meta` cannot serve `state`, else None."""
+    if len(meta.timesteps) != state.num_steps:
+        return (
+            f"the edit runs {state.num_steps} denoise steps but the template's cache was "
+            f"captured at {len(meta.timesteps)}: use the template's num_inference_steps "
+            "(and strength)"
+        )
+    if meta.timesteps != tuple(state.timesteps.tolist()):
+        return "the edit's step schedule (strength) differs from the template's"
+    if meta.latent_shape != tuple(state.latents.shape):
+        return (
+            f"the edit's working size (latents {tuple(state.latents.shape)}) differs from the "
+            f"template's {meta.latent_shape}"
+        )
+    if meta.num_rows < state.num_rows:
+        return (
+            "the edit uses classifier-free guidance but the template's cache was captured "
+            "without it (guidance_scale)"
+        )
+    if any(L not in masks for L, _ in meta.block_shapes.values()):
+        return "the template's cache has a token grid the edit's mask does not map to"
+    return None

@@ -27,6 +27,7 @@ from instgenie.config import LoraConfig
 from instgenie.errors import LoraError, LoraNotFound, ValidationError
 from instgenie.lora import apply
 from instgenie.lora.files import COMPONENTS, LoraWeights, read_part
+from instgenie.lora.gate import LoraUse
 from instgenie.lora.lru import ByteLru
 from instgenie.lora.targets import Table, conform
 
@@ -197,6 +198,27 @@ class AdapterStore:
                 out.append((ad, scale))
         return tuple(out)
 
+    def use_for(self, refs) -> LoraUse:
+        """A request's LoRAs as its prompt encode needs them: the text parts loaded now
+        (synchronously: they are small), the backbone parts' loads started."""
+        use = LoraUse(tuple((i, float(s)) for i, s in refs))
+        use.text = self.adapters(use.refs, "text", wait=True)
+        for lora_id, _ in use.refs:  # the backbone parts load while the request waits or runs
+            self.start(lora_id, "backbone")
+        return use
+
+    def resolve(self, use: LoraUse, wait: bool) -> bool:
+        """Give `use` its backbone adapters once loaded (wait: block until they are), pinned on
+        the device while it runs. True once it has them. A failed load raises its LoraError."""
+        if use.adapters is not None:
+            return True
+        adapters = self.adapters(use.refs, "backbone", wait=wait)
+        if adapters is None:
+            return False
+        self.pin(use.refs, "backbone")
+        use.adapters = adapters
+        return True
+
     def pin(self, refs, part: str) -> None:
         for lora_id, _ in refs:
             if (lora_id, part) in self.gpu:
@@ -225,6 +247,16 @@ class AdapterStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_request(refs, store: AdapterStore | None) -> None:
+    """An edit's `loras`: the list's form, and with a store (a model process) that each id is
+    registered; a process without one (image pre-processing) checks the form only."""
+    if refs:
+        limit = (store.cfg if store is not None else LoraConfig()).lora_max_per_request
+        for lora_id, _ in check_refs(refs, limit):
+            if store is not None and not store.exists(lora_id):
+                raise LoraNotFound("loras", f"no LoRA {lora_id[:12]} is registered")
 
 
 def open_store(family, directory: Path, cfg: LoraConfig) -> AdapterStore:
