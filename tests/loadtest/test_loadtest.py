@@ -342,9 +342,29 @@ def test_distinct_prompts_give_every_edit_its_own_prompt(distinct: bool) -> None
     from instgenie.loadtest.command import Templates, edit_body
 
     args = argparse.Namespace(prompt="a red jacket", distinct_prompts=distinct,
-                              output_format="png", steps=None, guidance=None)  # fmt: skip
+                              output_format="png", steps=None, guidance=None, lora=[],
+                              lora_fraction=1.0)  # fmt: skip
     tpl = Templates()
     tpl.ids, tpl.sizes, tpl.images = ["t0"], [(64, 64)], [None]
     prompts = {edit_body(args, tpl, 0, b"m", seed=s)["prompt"] for s in range(5)}
     assert prompts == ({f"a red jacket, variant {s}" for s in range(5)} if distinct
                        else {"a red jacket"})  # fmt: skip
+    assert all("loras" not in edit_body(args, tpl, 0, b"m", seed=s) for s in range(5))
+
+
+def test_edits_name_loras_in_turn() -> None:
+    """--lora A --lora B:0.5: edit `seed` names the (seed mod 2)-th; --lora-fraction 0 none."""
+    import argparse
+
+    from instgenie.loadtest.command import Templates, edit_body
+
+    a, b = "a" * 64, "b" * 64
+    args = argparse.Namespace(prompt="x", distinct_prompts=False, output_format="png",
+                              steps=None, guidance=None, lora=[a, f"{b}:0.5"],
+                              lora_fraction=1.0)  # fmt: skip
+    tpl = Templates()
+    tpl.ids, tpl.sizes, tpl.images = ["t0"], [(64, 64)], [None]
+    named = [edit_body(args, tpl, 0, b"m", seed=s)["loras"] for s in range(4)]
+    assert named == [[{"id": a, "scale": 1.0}], [{"id": b, "scale": 0.5}]] * 2
+    args.lora_fraction = 0.0
+    assert all("loras" not in edit_body(args, tpl, 0, b"m", seed=s) for s in range(4))
