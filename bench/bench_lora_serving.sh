@@ -18,18 +18,9 @@ py="${PYTHON:-python3}"
 $py bench/make_loras.py --model "$MODEL" --count 8 --rank "$RANK" --out "$OUT/files" > /dev/null
 serve=(--model "$MODEL" --devices "$DEVICE" --port "$PORT" --default-steps "$STEPS"
        --lora-async-steps "$ASYNC_STEPS" --max-body-bytes 1GiB --state-db none)
-# shellcheck disable=SC2206 # SERVE_ARGS is a list of extra `serve` flags
-[ -n "${SERVE_ARGS:-}" ] && serve+=($SERVE_ARGS)
-$py -m instgenie.server serve "${serve[@]}" > "$OUT/server.log" 2>&1 &
-server=$!
-stop() { kill -TERM "$server" 2>/dev/null || true; wait "$server" || true; }
-trap stop EXIT
-for _ in $(seq 900); do
-  kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$OUT/server.log"; exit 1; }
-  $py -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/ready', timeout=2)" \
-      2>/dev/null && break
-  sleep 1
-done
+# shellcheck source=bench/serve_lib.sh
+source bench/serve_lib.sh
+start_server
 ids=$($py - "$PORT" "$OUT/files" <<'PY'
 import json, pathlib, sys, urllib.request, uuid
 port, d = sys.argv[1], pathlib.Path(sys.argv[2])

@@ -23,19 +23,9 @@ py="${PYTHON:-python3}"
 serve=(--model "$MODEL" --devices "$DEVICE" --port "$PORT" --default-steps "$STEPS")
 [ -n "${ROUTING:-}" ] && serve+=(--routing "$ROUTING")
 [ -n "${PROFILE:-}" ] && serve+=(--profile "$PROFILE")
-# shellcheck disable=SC2206 # SERVE_ARGS is a list of extra `serve` flags
-[ -n "${SERVE_ARGS:-}" ] && serve+=($SERVE_ARGS)
-$py -m instgenie.server serve "${serve[@]}" > "$OUT/server.log" 2>&1 &
-server=$!
-stop() { kill -TERM "$server" 2>/dev/null || true; wait "$server" || true; }
-trap stop EXIT
-# wait for /ready while the server lives (a server that died is reported at once, with its log)
-for _ in $(seq 900); do
-  kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$OUT/server.log"; exit 1; }
-  $py -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/ready', timeout=2)" \
-      2>/dev/null && break
-  sleep 1
-done
+# shellcheck source=bench/serve_lib.sh
+source bench/serve_lib.sh
+start_server
 common=(--server "http://127.0.0.1:$PORT" --size "$SIZE" --templates "$TEMPLATES"
         --requests "$REQUESTS" --slo-ms "$SLO_MS" --seed "${SEED:-0}" --wait-ready-s 60)
 [ -n "${MASK_RATIOS:-}" ] && common+=(--mask-ratios "$MASK_RATIOS")
