@@ -16,16 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-
 from instgenie.cache.budgets import CacheDefaults, resolve_cache
 from instgenie.config import LimitsConfig
-from instgenie.engine.imageio import decode_mask, mask_ratio
 from instgenie.engine.sizing import native_side, resolve_limits, working_size
 from instgenie.errors import ValidationError
 from instgenie.messages import Progress
-from instgenie.scheduler.estimate import token_ratios
 from instgenie.scheduler.routing import make_policy
 from instgenie.scheduler.views import RouteRequest
 from instgenie.server.admission import CostAdmission
@@ -39,7 +34,7 @@ from instgenie.server.metrics import Metrics, fastest_tier, live_families
 from instgenie.server.pool import LOCAL_NODE, WorkerPool, WorkerSlot
 from instgenie.server.state_db import StateDB
 from instgenie.server.templates import TemplateRegistry, template_id_of
-from instgenie.server.uploads import ImageInfo, probe_image
+from instgenie.server.uploads import ImageInfo, mask_facts, probe_image
 
 log = logging.getLogger("instgenie.server")
 
@@ -491,18 +486,3 @@ class Runtime:
             st = rec.state(self.pool)
             states[st] = states.get(st, 0) + 1
         return live_families(len(self.dispatcher.waiting), workers, states)
-
-
-def mask_facts(
-    mask: bytes,
-    image_size: tuple[int, int],
-    working_size: tuple[int, int],
-    limits: LimitsConfig,
-    strides: list[int],
-) -> tuple[float, dict[int, float]]:
-    """(fraction of pixels edited, token_ratios at `strides`) of an encoded native mask, at
-    the working size (resized nearest-neighbour, as the worker's pre-processing does)."""
-    img = decode_mask(mask, image_size, limits, "mask")
-    if img.size != working_size:
-        img = img.resize(working_size, Image.Resampling.NEAREST)
-    return mask_ratio(img), token_ratios(np.asarray(img) >= 128, strides)

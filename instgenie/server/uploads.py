@@ -17,15 +17,18 @@ import binascii
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import pydantic
+from PIL import Image
 from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from instgenie.config import LimitsConfig
-from instgenie.engine.imageio import open_header
+from instgenie.engine.imageio import decode_mask, mask_ratio, open_header
 from instgenie.errors import ValidationError
+from instgenie.scheduler.estimate import token_ratios
 from instgenie.server.config import ServerConfig
 from instgenie.server.errors import ApiError, code_of, error_for_path, printable
 
@@ -284,3 +287,18 @@ def probe_image(data: bytes, field: str, limits: LimitsConfig) -> ImageInfo:
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
             raise ValidationError(field, f"has a corrupt header: {exc}") from None
         return ImageInfo(str(img.format), w, h, img.mode)
+
+
+def mask_facts(
+    mask: bytes,
+    image_size: tuple[int, int],
+    working_size: tuple[int, int],
+    limits: LimitsConfig,
+    strides: list[int],
+) -> tuple[float, dict[int, float]]:
+    """(fraction of pixels edited, token_ratios at `strides`) of an encoded native mask, at
+    the working size (resized nearest-neighbour, as the worker's pre-processing does)."""
+    img = decode_mask(mask, image_size, limits, "mask")
+    if img.size != working_size:
+        img = img.resize(working_size, Image.Resampling.NEAREST)
+    return mask_ratio(img), token_ratios(np.asarray(img) >= 128, strides)
