@@ -161,3 +161,15 @@ def test_template_captured_with_lora_replays_exactly(family: str, tmp_path) -> N
         diff = float((masked.latents - full.latents).abs().max())
         assert (diff <= RTOL * scale) == exact, (key == plain, diff)
     detach(pipe)
+
+
+def test_text_lora_is_part_of_the_prompt_cache_key(env, family) -> None:
+    """A text-encoder-only LoRA changes the image though the prompt's plain encode is cached,
+    and does not leak into a later plain request of the same prompt."""
+    pipe, d = env
+    text_only = register(d, lora_state(pipe, picks=("no backbone layer",), std=1.0))
+    plain = _pixels(pipe.run([_request(family, "p")])[0])
+    styled = _pixels(pipe.run([_request(family, "s", [(text_only, 1.0)])])[0])
+    again = _pixels(pipe.run([_request(family, "q")])[0])
+    assert np.abs(styled - plain).max() > 10
+    assert np.array_equal(again, plain)
