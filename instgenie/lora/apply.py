@@ -193,17 +193,36 @@ class LoraBatch:
         y2 = y.view(-1, y.shape[-1])
         lo, hi = self.bounds(x, x2.shape[0])
         kernel = _kernel() if kernel_enabled(SEGMENTED_KERNEL, y.device) else None
-        if kernel is not None and x2.stride(-1) == 1:
+        if kernel is not None:
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
             kernel(x2, y2, m.a_cat, m.b_cat, lo, hi, m.rank_off, m.rank, self.slot, m.scale,
                    max_rank=m.max_rank, num_slots=self.num_slots)  # fmt: skip
             return y
-        for (l, h), (off, r, s) in zip(
-            zip(lo.tolist(), hi.tolist(), strict=True), m.host, strict=True
-        ):
-            if r and h > l:
-                v = x2[l:h] @ m.a_cat[off : off + r].T
-                y2[l:h] += s * (v @ m.b_cat[:, off : off + r].T)
+        if y.device.type == "cuda":  # no host read of the bounds: a CUDA-graph capture may run
+            _add_masked(x2, y2, m, lo, hi)
+        else:
+            _add_sliced(x2, y2, m, lo, hi)
         return y
+
+
+def _add_sliced(x2: torch.Tensor, y2: torch.Tensor, m: _Module, lo, hi) -> None:
+    """torch ops, each segment on its own rows (reads the bounds on the host)."""
+    for (l, h), (off, r, s) in zip(zip(lo.tolist(), hi.tolist(), strict=True), m.host, strict=True):
+        if r and h > l:
+            v = x2[l:h] @ m.a_cat[off : off + r].T
+            y2[l:h] += s * (v @ m.b_cat[:, off : off + r].T)
+
+
+def _add_masked(x2: torch.Tensor, y2: torch.Tensor, m: _Module, lo, hi) -> None:
+    """torch ops without a host read (CUDA-graph capturable): each segment's delta on every row,
+    weighted by its 0/1 row mask times its scale (rows outside get + 0, exactly)."""
+    rows = torch.arange(x2.shape[0], device=x2.device)
+    for i, (off, r, s) in enumerate(m.host):
+        if r:
+            w = ((rows >= lo[i]) & (rows < hi[i])).to(y2.dtype) * s
+            v = x2 @ m.a_cat[off : off + r].T
+            y2 += w[:, None] * (v @ m.b_cat[:, off : off + r].T)
 
 
 def _kernel():

@@ -238,11 +238,13 @@ class AdapterStore:
             if self._stream is not None:
                 self._stream.synchronize()
 
-    def forget(self, lora_id: str) -> None:
-        """A deleted LoRA: drop it from both tiers (requests using it keep their tensors)."""
+    def forget(self, lora_id: str, host: bool = True) -> None:
+        """A deleted LoRA: drop it from both tiers (requests using it keep their tensors);
+        host=False: from the device only (benchmarks of a load from host memory)."""
         self._failed.pop(lora_id, None)
         for part in PARTS:
-            self.host.remove((lora_id, part))
+            if host:
+                self.host.remove((lora_id, part))
             self.gpu.remove((lora_id, part))
 
     def close(self) -> None:

@@ -89,7 +89,7 @@ class Batcher:
         t0, wall0 = time.perf_counter(), time.time()
         waited = [1e3 * (t0 - self._submitted.pop(s.uid, t0)) for s in joined]
         try:
-            plan = self.plan([s.uid for s in joined if s in stepping], stepping)
+            plan = self.plan([s.uid for s in joined if s in stepping], stepping, without)
             # no device sync: the host enqueues step n + 1 while the GPU runs step n, so the
             # recorded duration is host time between step starts (≈ GPU step time when busy)
             self.pipe.denoise_step(stepping, plan)
@@ -172,18 +172,29 @@ class Batcher:
             self.pipe.loras.wait_any()  # everyone waits for a load: block until one lands
         raise AssertionError("unreachable")
 
-    def plan(self, joined: list[str], members: list[RequestState] | None = None) -> StepPlan:
+    def plan(
+        self,
+        joined: list[str],
+        members: list[RequestState] | None = None,
+        without: list[RequestState] = (),
+    ) -> StepPlan:
         """This iteration's StepPlan for the running batch. Reads are prepared first (a host
         cache gets its device window before the load planner prices it; a cache that cannot be
-        read raises CacheReadFailed for its request alone)."""
+        read raises CacheReadFailed for its request alone). `without`: members running without
+        their loading LoRAs; the composition lasts at most until their bound (then they step
+        with them, or are held), so a CUDA graph is captured for it only where that pays."""
         batch = self.running if members is None else members
         self.pipe.prepare_reads(batch)
         members = members_of(batch)
+        horizon = horizon_of(members)
+        if without and horizon is not None:
+            bound = self.pipe.lora_async_steps
+            horizon = min(horizon, *(bound - s.lora.steps_without for s in without))
         return StepPlan(
             index=self.steps,
             members=members,
             joined=tuple(joined),
-            horizon=horizon_of(members),
+            horizon=horizon,
             compute_all=self.pipe.compute_all(batch),
         )
 

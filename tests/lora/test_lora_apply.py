@@ -40,14 +40,21 @@ def _expected(x2: torch.Tensor, y2: torch.Tensor, row_of: list[int]) -> torch.Te
     return out
 
 
-@pytest.mark.parametrize("mode", ["off", "on"])
-@pytest.mark.parametrize("layout", ["sequence", "rows", "packed", "packed_one_per_row"])
+@pytest.mark.parametrize("mode", ["off", "off-masked", "on"])
+@pytest.mark.parametrize("layout", ["sequence", "strided", "rows", "packed", "packed_one_per_row"])
 def test_apply_layouts(monkeypatch, mode: str, layout: str) -> None:
-    monkeypatch.setattr(apply, "SEGMENTED_KERNEL", mode)
+    """off: torch ops on each segment's rows; off-masked: the torch ops CUDA uses (no host read
+    of the bounds, capturable: every row, weighted by its segment's mask); on: the kernel."""
+    monkeypatch.setattr(apply, "SEGMENTED_KERNEL", mode.split("-")[0])
+    if mode == "off-masked":
+        monkeypatch.setattr(apply, "_add_sliced", apply._add_masked)
     batch = LoraBatch(GROUPS, R, torch.device("cpu"), torch.float32)
     g = torch.Generator().manual_seed(0)
     if layout == "sequence":
         x = torch.randn(R, 5, CIN, generator=g)
+        row_of = [r for r in range(R) for _ in range(5)]
+    elif layout == "strided":  # a transposed view: the last dim is not contiguous
+        x = torch.randn(R, CIN, 5, generator=g).transpose(1, 2)
         row_of = [r for r in range(R) for _ in range(5)]
     elif layout == "rows":
         x = torch.randn(R, CIN, generator=g)
@@ -89,3 +96,42 @@ def test_uniform_batch_applies_to_every_row() -> None:
     assert apply.text_key() is None
     with apply.use_lora(batch):
         assert apply.text_key() == (("a1", 1.0),)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_apply_captures_in_a_cuda_graph(monkeypatch, mode: str) -> None:
+    """Both CUDA paths (kernel; torch ops) read no bounds on the host, so a step with LoRAs can
+    be captured (a host read would fail the capture and turn graphs off for the process): the
+    replay, on new inputs, equals the eager result."""
+    monkeypatch.setattr(apply, "SEGMENTED_KERNEL", mode)
+    dev = torch.device("cuda")
+
+    def on(a: DeviceAdapter) -> DeviceAdapter:
+        pairs = {k: (d.to(dev), u.T.contiguous().T.to(dev), s) for k, (d, u, s) in a.pairs.items()}
+        return DeviceAdapter(a.lora_id, pairs)
+
+    a1, a2 = on(A1), on(A2)
+    groups = [Group(0, 2, ((a1, 1.0),)), Group(4, 6, ((a2, 0.5), (a1, -1.0)))]
+    batch = LoraBatch(groups, R, dev, torch.float32)
+    counts = [2, 3, 1, 4, 2, 2]
+    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    x = torch.randn(sum(counts), CIN, device=dev)
+    y = torch.randn(sum(counts), COUT, device=dev)
+    out = torch.empty_like(y)
+
+    def step() -> None:
+        out.copy_(y)
+        with packed_rows(cu, x.shape[0]):
+            batch.apply(KEY, x, out)
+
+    step()  # warm-up (kernel compile) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    replayed = out.clone()
+    step()
+    torch.testing.assert_close(replayed, out)
+    assert not torch.equal(replayed, y)

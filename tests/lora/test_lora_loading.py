@@ -18,6 +18,7 @@ from instgenie.errors import (
 from instgenie.lora.gate import LoraUse, Use, decide
 from instgenie.lora.lru import ByteLru
 from instgenie.scheduler.batching import get_policy
+from instgenie.scheduler.step import horizon_of
 from instgenie.worker.batcher import Batcher
 from tests.conftest import tiny_pipeline
 from tests.lora.helpers import attach, detach, lora_state, register
@@ -85,6 +86,30 @@ def test_bounded_async_loading(gated, bound: int) -> None:
         assert np.array_equal(got, sync)  # K = 0 is synchronous loading exactly
     else:
         assert np.abs(got - sync).max() > 0  # it did run steps without the LoRA
+
+
+def test_steps_without_a_loading_lora_plan_only_until_the_bound(gated) -> None:
+    """A composition with a member running without its loading LoRA lasts at most until that
+    member's bound: the step plan's horizon says so (CUDA graphs are captured only where a
+    capture pays over that horizon), whatever the members' remaining steps."""
+    pipe, d, gate = gated
+    lora_id = register(d, lora_state(pipe, text=False))
+    pipe.lora_async_steps = 2
+    b = Batcher(pipe, get_policy("continuous"), max_batch=8)
+    plans = []
+    plan = b.plan
+    b.plan = lambda *a, **k: plans.append(plan(*a, **k)) or plans[-1]
+    b.submit(pipe.preprocess(_request(FAMILY, "styled", [(lora_id, 1.0)])))
+    b.submit(pipe.preprocess(_request(FAMILY, "other", seed=5)))
+    b.iterate()
+    b.iterate()
+    gate.set()
+    while not b.idle:
+        b.iterate()
+    assert [e.lora_without for e in list(b.records)[:2]] == [["styled"], ["styled"]]
+    assert [p.horizon for p in plans[:2]] == [2, 1]
+    assert all(horizon_of(p.members) > 2 for p in plans[:2])  # the members had more steps
+    assert all(p.horizon == horizon_of(p.members) for p in plans[2:])
 
 
 def test_bad_lora_fails_alone(tmp_path) -> None:
