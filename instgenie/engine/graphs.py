@@ -29,7 +29,9 @@ Whether and when a composition is captured (ExecConfig.graph_capture, decision 0
   than an eager call (in the serving benchmark, docs/benchmarks/serving-h200.md: replays 25-107
   ms, warm-ups 92-178 ms, captures 104-268 ms for SDXL 1024²). A composition not captured is
   asked again at each later call. An unknown horizon (benchmarks, scripts) or a cost measured
-  fewer than COST_MIN_SAMPLES times at that shape: capture (it measures it).
+  fewer than COST_MIN_SAMPLES times at that shape: capture (it measures it) — except for a
+  horizon of one call, which a capture never pays (e.g. a step of an edit running without its
+  loading LoRA at the bound's last step, worker/batcher.py).
 - "auto" also skips the warm-up once a composition of the same batch shape has been captured in
   the process: a new composition is captured on its first call, its token sets built beforehand
   (`StepContext.prepare_tokens`). Under continuous batching every join or leave is a new
@@ -105,9 +107,12 @@ class CallCosts:
 def capture_pays(costs: CallCosts, shape: Hashable, horizon: int | None) -> bool:
     """Whether capturing now costs less than eager calls until the composition changes:
     capture + (horizon - 1) replays < horizon eager calls, `horizon` counting this call. True
-    when the horizon is unknown (None) or a cost of `shape` is not measured yet."""
+    when the horizon is unknown (None) or a cost of `shape` is not measured yet; never for a
+    horizon of one call (a capture runs the call's Python too, then instantiates and replays)."""
     if horizon is None:
         return True
+    if horizon <= 1:
+        return False
     eager, replay, capture = (costs.ms(k, shape) for k in ("eager", "replay", "capture"))
     if eager is None or replay is None or capture is None:
         return True

@@ -305,16 +305,17 @@ def test_capture_pays_when_replays_win_back_the_capture() -> None:
 def test_capture_pays_without_knowledge() -> None:
     costs = _costs()
     assert capture_pays(costs, SMALL, None)  # a caller that does not know its horizon
-    assert capture_pays(costs, "b4", 1)  # no cost of that shape measured yet: measure it
+    assert capture_pays(costs, "b4", 2)  # no cost of that shape measured yet: measure it
+    assert not capture_pays(costs, "b4", 1)  # but a composition of one call never pays
     partial = CallCosts()
     for _ in range(COST_MIN_SAMPLES):
         partial.add("eager", SMALL, 64)
         partial.add("replay", SMALL, 20)
-    assert capture_pays(partial, SMALL, 1)  # never captured at that shape yet
+    assert capture_pays(partial, SMALL, 2)  # never captured at that shape yet
     for n in range(COST_MIN_SAMPLES):  # one slow capture is not yet a cost
-        assert capture_pays(partial, SMALL, 1)
-        partial.add("capture", SMALL, 5000.0 if n == 0 else 80.0)
-    assert not capture_pays(partial, SMALL, 1)
+        assert capture_pays(partial, SMALL, 2)
+        partial.add("capture", SMALL, 5000.0 if n == 0 else 200.0)
+    assert not capture_pays(partial, SMALL, 2)  # 200 + 20 > 2 * 64
 
 
 def test_call_costs_are_the_median_of_the_newest() -> None:
