@@ -187,6 +187,10 @@ UNRESOLVED_PIXELS = 4096 * 4096
 OVERSIZE_POLICIES = ("refuse", "resize")
 
 
+#: the largest LoRA rank the segmented kernel serves (triton_kernels/segmented_lora._MAX_RANK)
+LORA_RANK_LIMIT = 256
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """Per-request LoRA adapters (instgenie/lora): where registered files live, limits, caches."""
@@ -212,6 +216,9 @@ class LoraConfig:
         for name in ("lora_max_rank", "lora_max_per_request"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.lora_max_rank > LORA_RANK_LIMIT:
+            raise ValueError(f"lora_max_rank: at most {LORA_RANK_LIMIT} (the segmented LoRA "
+                             f"kernel's), got {self.lora_max_rank}")  # fmt: skip
         for name in ("lora_gpu_bytes", "lora_host_bytes", "lora_async_steps"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")

@@ -73,7 +73,7 @@ try:
 except ImportError:  # pragma: no cover - older triton
     _InterpretedFunction = ()
 
-__all__ = ["segmented_lora"]
+__all__ = ["launch", "segmented_lora"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_RANK = 256
@@ -184,6 +184,9 @@ def _interpreting() -> bool:
     return isinstance(_shrink_kernel, _InterpretedFunction)
 
 
+_INTERPRETING = _interpreting()  # TRITON_INTERPRET is read when the kernels are defined
+
+
 def _check_segments(N: int, rtot: int, lo, hi, off, rank, slot) -> None:
     """Host check of the caller's invariants (the reference only: needs the values on the host)."""
     by_slot: dict[int, list[tuple[int, int]]] = {}
@@ -254,21 +257,35 @@ def segmented_lora(x: torch.Tensor, y: torch.Tensor, a_cat: torch.Tensor, b_cat:
         raise ValueError(f"max_rank must be in [1, {_MAX_RANK}], got {max_rank}")
     if num_slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-    if N == 0 or S == 0 or cout == 0 or rtot == 0:
-        return
     if a_cat.stride(1) != 1:
         a_cat = a_cat.contiguous()
     if b_cat.stride(0) != 1:  # column-major: vector loads of B whatever the rank offsets
         b_cat = b_cat.t().contiguous().t()
+    launch(x, y, a_cat, b_cat, *segs, max_rank=max_rank, num_slots=num_slots)
+
+
+def launch(x: torch.Tensor, y: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.Tensor,
+           seg_lo: torch.Tensor, seg_hi: torch.Tensor, seg_rank_off: torch.Tensor,
+           seg_rank: torch.Tensor, seg_slot: torch.Tensor, seg_scale: torch.Tensor, *,
+           max_rank: int, num_slots: int) -> None:  # fmt: skip
+    """segmented_lora without its checks, for a caller that holds every one of them (LoraBatch
+    checks its tensors once, when built): a forward hook runs this for every adapted layer of
+    every step, and the checks cost as much host time as the two launches. a_cat must have
+    unit last stride and b_cat unit first stride (column-major)."""
+    N, cin = x.shape
+    cout, rtot = y.shape[1], a_cat.shape[0]
+    S = seg_lo.shape[0]
+    if N == 0 or S == 0 or cout == 0 or rtot == 0:
+        return
     fp32 = x.dtype == torch.float32
-    rank_pad = max(16, triton.next_power_of_2(max_rank))
+    rank_pad = max(16, 1 << (max_rank - 1).bit_length())  # next power of two (plain ints)
     cfg = _CONFIGS[fp32]
     big_rank = rank_pad > 64
     prec = "ieee" if fp32 else "tf32"  # tf32 is unused: fp16/bf16 operands
-    dot_fp32 = _interpreting() and x.dtype == torch.bfloat16
+    dot_fp32 = _INTERPRETING and x.dtype == torch.bfloat16
     v = torch.empty(N, num_slots, rank_pad, dtype=x.dtype, device=x.device)
     seg = (seg_lo, seg_hi, seg_rank_off, seg_rank, seg_slot)
-    m_tiles = triton.cdiv(N, BLOCK_M)
+    m_tiles = -(-N // BLOCK_M)
     if cin > 0:
         _shrink_kernel[(m_tiles,)](x, a_cat, v, *seg, seg_scale, N, cin, rtot, S, num_slots,
                                    x.stride(0), a_cat.stride(0), v.stride(0), v.stride(1),
@@ -278,7 +295,7 @@ def segmented_lora(x: torch.Tensor, y: torch.Tensor, a_cat: torch.Tensor, b_cat:
                                    num_stages=cfg.shrink_stages)  # fmt: skip
     else:  # x @ A.T of an empty inner dim is 0 (the deltas are 0, covered rows still rewritten)
         v.zero_()
-    _expand_kernel[(m_tiles, triton.cdiv(cout, cfg.block_n))](
+    _expand_kernel[(m_tiles, -(-cout // cfg.block_n))](
         y, b_cat, v, *seg, N, cout, rtot, S, num_slots, y.stride(0), b_cat.stride(0),
         b_cat.stride(1), v.stride(0), v.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
         BLOCK_R=min(rank_pad, cfg.block_r), RANK_PAD=rank_pad, DOT_PREC=prec, DOT_FP32=dot_fp32,

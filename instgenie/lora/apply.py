@@ -128,8 +128,10 @@ class LoraBatch:
                 else:
                     host.append((0, 0, 0.0))
             owners = [a for _, a in distinct.values()]
-            if len(owners) == 1:  # one adapter: its own tensors, no copy
+            if len(owners) == 1:  # one adapter: its own tensors (copied only if laid out wrong)
                 a_cat, b_cat = owners[0].pairs[key][0], owners[0].pairs[key][1]
+                a_cat = a_cat if a_cat.stride(1) == 1 else a_cat.contiguous()
+                b_cat = b_cat if b_cat.stride(0) == 1 else b_cat.T.contiguous().T
             else:
                 a_cat = torch.cat([a.pairs[key][0] for a in owners])
                 # B as the transpose of a rank-major tensor (the kernel's vector loads)
@@ -196,6 +198,9 @@ class LoraBatch:
         if kernel is not None:
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
+            if x2.dtype != m.a_cat.dtype or y2.dtype != m.a_cat.dtype:
+                raise TypeError(f"LoRA: a {x2.dtype} -> {y2.dtype} layer in a {self.dtype} batch")
+            # the unchecked launch: the batch's own tensors are laid out and typed as it needs
             kernel(x2, y2, m.a_cat, m.b_cat, lo, hi, m.rank_off, m.rank, self.slot, m.scale,
                    max_rank=m.max_rank, num_slots=self.num_slots)  # fmt: skip
             return y
@@ -226,7 +231,7 @@ def _add_masked(x2: torch.Tensor, y2: torch.Tensor, m: _Module, lo, hi) -> None:
 
 
 def _kernel():
-    return optional_kernel("segmented_lora", "segmented_lora")
+    return optional_kernel("segmented_lora", "launch")
 
 
 def current() -> LoraBatch | None:

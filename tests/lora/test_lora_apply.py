@@ -135,3 +135,18 @@ def test_apply_captures_in_a_cuda_graph(monkeypatch, mode: str) -> None:
     step()
     torch.testing.assert_close(replayed, out)
     assert not torch.equal(replayed, y)
+
+
+def test_the_kernel_serves_every_rank_the_config_allows(monkeypatch) -> None:
+    """The hooks launch the kernel unchecked: what it would refuse is refused earlier."""
+    from instgenie.config import LORA_RANK_LIMIT, LoraConfig
+    from triton_kernels import segmented_lora
+
+    assert segmented_lora._MAX_RANK == LORA_RANK_LIMIT
+    LoraConfig(lora_max_rank=LORA_RANK_LIMIT)
+    with pytest.raises(ValueError, match="lora_max_rank"):
+        LoraConfig(lora_max_rank=LORA_RANK_LIMIT + 1)
+    monkeypatch.setattr(apply, "SEGMENTED_KERNEL", "on")
+    batch = LoraBatch(GROUPS, R, torch.device("cpu"), torch.float32)
+    with pytest.raises(TypeError, match="float64"):
+        batch.apply(KEY, torch.randn(R, CIN, dtype=torch.float64), torch.randn(R, COUT))
