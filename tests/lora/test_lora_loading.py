@@ -165,6 +165,19 @@ def test_typed_errors(tmp_path) -> None:
             with pytest.raises(err):
                 store.weights(lora_id, "backbone")
             assert (lora_id, "backbone") not in store.host  # nothing kept half-way
+        # non-finite weights are refused; finite ones whose float32 sum overflows are not
+        ka, kb = (next(k for k in state if k.endswith(f"lora_{h}.weight")) for h in "AB")
+        for key, value, refused in ((kb, float("inf"), True), (ka, float("nan"), True),
+                                    (ka, 3e38, False)):  # fmt: skip
+            st = dict(state)
+            st[key] = st[key].clone()
+            st[key][0, :2] = value
+            lora_id = register(tmp_path, st)
+            if refused:
+                with pytest.raises(LoraFileError, match="non-finite"):
+                    store.weights(lora_id, "backbone")
+            else:
+                assert store.weights(lora_id, "backbone").layers
         with pytest.raises(LoraNotFound):
             pipe.validate(_request(FAMILY, "x", [("ef" * 32, 1.0)]))
     finally:
