@@ -269,9 +269,10 @@ def launch(x: torch.Tensor, y: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.T
            seg_rank: torch.Tensor, seg_slot: torch.Tensor, seg_scale: torch.Tensor, *,
            max_rank: int, num_slots: int) -> None:  # fmt: skip
     """segmented_lora without its checks, for a caller that holds every one of them (LoraBatch
-    checks its tensors once, when built): a forward hook runs this for every adapted layer of
-    every step, and the checks cost as much host time as the two launches. a_cat must have
-    unit last stride and b_cat unit first stride (column-major)."""
+    builds its tensors in these layouts and dtypes once, and the config bounds the rank): a
+    forward hook runs this for every adapted layer of every step, and the checks cost as much
+    host time as the two launches. a_cat must have unit last stride and b_cat unit first stride
+    (column-major)."""
     N, cin = x.shape
     cout, rtot = y.shape[1], a_cat.shape[0]
     S = seg_lo.shape[0]

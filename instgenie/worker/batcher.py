@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -176,7 +176,7 @@ class Batcher:
         self,
         joined: list[str],
         members: list[RequestState] | None = None,
-        without: list[RequestState] = (),
+        without: Sequence[RequestState] = (),
     ) -> StepPlan:
         """This iteration's StepPlan for the running batch. Reads are prepared first (a host
         cache gets its device window before the load planner prices it; a cache that cannot be
