@@ -111,6 +111,8 @@ def identity_blocks(pipe: EditPipeline):
     pipe.family.masked.graphs.clear()  # graphs captured with the real blocks must not replay
     saved = []
     for info in pipe.family.masked.blocks:
+        if info.kind in ("resnet", "down", "up"):
+            continue  # sparse conv blocks stay: they are the non-transformer part
         mod = pipe.family.backbone.get_submodule(info.name)
         saved.append((mod, mod.forward))
         if info.kind == "unet":

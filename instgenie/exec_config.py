@@ -17,6 +17,8 @@ GRAPH_MODES = ("all", "masked", "off")
 CAPTURE_POLICIES = ("auto", "always")
 #: ExecConfig.fused_* values (engine/kernels.py kernel_enabled)
 KERNEL_MODES = ("auto", "on", "off")
+#: ExecConfig.sparse_convs values (engine/masked/conv_blocks.py)
+SPARSE_CONVS = ("auto", "off")
 #: ExecConfig.png_compression values (engine/imageio.py PNG_SETTINGS)
 PNG_COMPRESSION = ("fast", "default", "small")
 
@@ -60,6 +62,12 @@ class ExecConfig:
     #: Conv2d biases added by a vectorised Triton kernel: "auto" (on CUDA) | "on" | "off"
     #: (torch's biased convolution) (decision 0015)
     fused_conv_bias: str = _switch("auto", "INSTGENIE_FUSED_CONV_BIAS", KERNEL_MODES)
+    #: ResNets and up/down-samplers of UNet families compute only the tiles covering an edit's
+    #: masked tokens plus their kernels' halo, reading the rest from the template's cache, which
+    #: then also holds their outputs and GroupNorm statistics: "auto" (each block where the load
+    #: planner prices it cheaper than computing every token) | "off" (only transformer blocks
+    #: are masked) (decision 0043)
+    sparse_convs: str = _switch("auto", "INSTGENIE_SPARSE_CONVS", SPARSE_CONVS)
     #: PNG outputs' zlib effort: "fast" (level 1, run-length matching) | "default" (Pillow's
     #: level 6) | "small" (9); lossless, only the bytes and the encode time differ (decision 0040)
     png_compression: str = _switch("fast", "INSTGENIE_PNG_COMPRESSION", PNG_COMPRESSION)

@@ -3,7 +3,8 @@
 Key = sha256 over the canonical JSON of: the template's pixels at working resolution (hashed), the
 model id, the resolution, the scheduler config + steps + strength, CFG on/off, the capture prompt,
 negative prompt and seed, the capture mask (hashed; empty = "keep everything"), and the cache
-dtype. Two captures with equal keys produce identical activations.
+dtype (and, when set, the LoRAs and the block layout). Two captures with equal keys produce
+identical activations.
 """
 
 from __future__ import annotations
@@ -43,12 +44,16 @@ class TemplateKey:
     #: the LoRAs the capture ran with, [[id, scale], ...] as JSON; "" = none (then the field is
     #: left out of the digest: keys of templates without LoRAs are what they always were)
     loras: str = ""
+    #: which blocks the cache holds beyond the transformer blocks: "convs" (ResNets, samplers
+    #: and their GroupNorm statistics: ExecConfig.sparse_convs) or "" (left out of the digest)
+    layout: str = ""
 
     @property
     def digest(self) -> str:
         """64 hex characters; the only identifier the cache tiers ever see."""
         fields = asdict(self)
-        if not fields["loras"]:
-            del fields["loras"]
+        for optional in ("loras", "layout"):
+            if not fields[optional]:
+                del fields[optional]
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()

@@ -18,6 +18,10 @@ def block_spec(block, block_id: int, kind: str, stride: int) -> BlockSpec:  # no
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
+    if kind in ("resnet", "down", "up"):  # sparse convs: engine/masked/conv_blocks.py
+        c_in = block.in_channels if kind == "resnet" else block.channels
+        return BlockSpec(block_id=block_id, kind=kind, channels=block.out_channels, ff_macs=0,
+                         stride=stride, in_channels=c_in)  # fmt: skip
     if kind == "unet":
         assert isinstance(block, BasicTransformerBlock)
         C = block.norm1.normalized_shape[0]
@@ -37,7 +41,8 @@ def block_spec(block, block_id: int, kind: str, stride: int) -> BlockSpec:  # no
 
 
 def family_blocks(fam) -> list[BlockSpec]:  # noqa: ANN001 - a loaded model family
-    """The BlockSpec of every transformer block the masked executor runs, in execution order."""
+    """The BlockSpec of every block the masked executor runs (transformer blocks; with sparse
+    convs also ResNets and samplers), in execution order."""
     return [
         block_spec(fam.backbone.get_submodule(b.name), b.block_id, b.kind,
                    fam.token_stride * 2**b.level)

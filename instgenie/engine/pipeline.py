@@ -204,6 +204,7 @@ class EditPipeline:
             str(fam.spec), fam.pipe.scheduler.config, image, mask, spec,
             height=height, width=width, num_steps=steps, cfg=cfg,
             cache_dtype=str(self.store_dtype()),
+            layout="convs" if fam.masked.convs is not None else "",
         )  # fmt: skip
         self.templates.setdefault(key, TemplateRecord(key, spec, image, height, width))
         return key

@@ -68,6 +68,7 @@ def template_key(
     num_steps: int,
     cfg: bool,
     cache_dtype: str,
+    layout: str = "",
 ) -> str:
     return TemplateKey(
         image=pixel_digest(image),
@@ -84,6 +85,7 @@ def template_key(
         capture_mask=pixel_digest(mask),
         cache_dtype=cache_dtype,
         loras=json.dumps([[i, float(s)] for i, s in spec.loras]) if spec.loras else "",
+        layout=layout,
     ).digest
 
 
@@ -107,6 +109,7 @@ def mismatch(meta: TemplateMeta, state: RequestState, masks: dict) -> str | None
             "the edit uses classifier-free guidance but the template's cache was captured "
             "without it (guidance_scale)"
         )
-    if any(L not in masks for L, _ in meta.block_shapes.values()):
+    # L = 1: the GroupNorm statistics pseudo-block of sparse convs (ConvLayout), not a grid
+    if any(L not in masks for L, _ in meta.block_shapes.values() if L > 1):
         return "the template's cache has a token grid the edit's mask does not map to"
     return None

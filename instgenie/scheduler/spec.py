@@ -20,13 +20,14 @@ class BlockSpec:
     """Static shape of one hooked block (independent of resolution and batch)."""
 
     block_id: int  # execution order, 0-based
-    kind: str  # "unet" | "flux_dual" | "flux_single"
-    channels: int  # hidden width C
+    kind: str  # "unet" | "flux_dual" | "flux_single" | sparse convs: "resnet" | "down" | "up"
+    channels: int  # hidden width C (conv blocks: output channels)
     #: multiply-adds of the feed-forward per token (UNet GEGLU: C*8C + 4C*C; Flux: 8C^2 / mlp)
     ff_macs: int
     stride: int  # pixels per token side: the block's token grid is (H / stride, W / stride)
     context_dim: int = 0  # cross-attention context width (UNet attn2), 0 otherwise
     mlp: int = 0  # Flux single block: MLP hidden width, 0 otherwise
+    in_channels: int = 0  # conv blocks: input channels, 0 otherwise
 
 
 def block_class(d: BlockSpec) -> str:

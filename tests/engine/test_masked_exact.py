@@ -190,7 +190,7 @@ def test_capture_is_complete_and_abort_leaves_nothing() -> None:
     img = png_bytes(make_image(128, 128, seed=9))
     key = pipe.build_template(TemplateSpec(image=img, prompt="c", num_inference_steps=2))
     meta = pipe.store.meta(key)
-    assert len(meta.block_shapes) == pipe.family.masked.num_blocks
+    assert len(meta.block_shapes) == pipe.family.masked.num_cached_blocks
     assert meta.num_steps == 2 and meta.num_rows == 2 and meta.nbytes > 0
     key2 = pipe.register_template(TemplateSpec(image=img, prompt="d", num_inference_steps=2))
     state = pipe.capture_state(key2)

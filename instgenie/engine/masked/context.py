@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +24,9 @@ from instgenie.cache.loader import PipelinedLoader
 from instgenie.cache.quant import copy_rows
 from instgenie.cache.store import CacheWriter, TemplateHandle
 from instgenie.engine.kernels import kernel_enabled, optional_kernel
+from instgenie.engine.masked.conv_layout import ConvLayout, decode_stats, encode_stats
+from instgenie.engine.masked.tiles import TileSet, build_tiles
+from instgenie.engine.masked.timer import BlockTimer
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
     "instgenie_step_context", default=None
@@ -84,33 +86,6 @@ def use_context(ctx: StepContext | None) -> Iterator[None]:
         yield
     finally:
         _CURRENT.reset(token)
-
-
-class BlockTimer:
-    """Per-block latency: CUDA events on the compute stream (host clock on CPU), in ms."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._marks: dict[int, list] = {}
-
-    def _mark(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def start(self, block_id: int) -> None:
-        self._marks[block_id] = [self._mark(), None]
-
-    def stop(self, block_id: int) -> None:
-        self._marks[block_id][1] = self._mark()
-
-    def results_ms(self) -> dict[int, float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return {b: a.elapsed_time(z) for b, (a, z) in self._marks.items()}
-        return {b: 1e3 * (z - a) for b, (a, z) in self._marks.items()}
 
 
 @dataclass
@@ -177,8 +152,18 @@ class StepContext:
         compute_all: frozenset[int] = frozenset(),
         attention_backend: str | None = None,
         block_order: tuple[int, ...] = (),
+        convs: ConvLayout | None = None,
+        latent_hw: tuple[int, int] = (0, 0),
     ) -> None:
         self.requests = requests
+        #: sparse conv blocks (None: only transformer blocks are hooked), and the latent grid
+        #: (h, w) whose 2**-level grids they compute
+        self.convs = convs
+        self.latent_hw = latent_hw
+        #: capture: ResNet block id -> (R, width) statistics of every row (rows that capture)
+        self._stats_out: dict[int, torch.Tensor] = {}
+        #: edits: (R, width) template statistics of this step (cache-reading rows)
+        self._stats_in: torch.Tensor | None = None
         self.device = device
         self.compute_all = compute_all
         self.attention_backend = attention_backend
@@ -249,6 +234,93 @@ class StepContext:
         made by device ops."""
         for L in sorted({L for r in self.requests if r.handle is not None for L in r.token_index}):
             self.tokens(L)
+        if self.convs is not None and self.reads_cache:
+            for kind, level in set(self.convs.blocks.values()):
+                hw = (self.latent_hw[0] >> level, self.latent_hw[1] >> level)
+                self.dense_rows(hw[0] * hw[1])
+                self.tiles(kind, hw)
+
+    # ---- sparse conv blocks (conv_blocks.py) ------------------------------------------------
+    def is_map_block(self, block_id: int) -> bool:
+        """A conv block: its output is read after the next block (skip connections), so it is
+        never loaded into the loader's staging ring (map_buffer)."""
+        return self.convs is not None and block_id in self.convs.blocks
+
+    def dense_rows(self, L: int) -> torch.Tensor | None:
+        """(k,) int64 device indices of the rows that compute every token of a conv block with an
+        L-token output grid by its stock forward (own GroupNorm statistics): rows without a
+        cache, and rows whose mask covers the whole grid (so a mask of ratio 1.0 equals full
+        computation whatever the cache holds); None if there are none."""
+        key = ("dense_rows", L)
+        if key not in self._joint:
+            rows = [req.start + j for req in self.requests if self._dense(req, L)
+                    for j in range(req.num_rows)]  # fmt: skip
+            self._joint[key] = (
+                torch.tensor(rows, dtype=torch.int64).to(self.device) if rows else None
+            )
+        return self._joint[key]
+
+    @staticmethod
+    def _dense(req: RequestRows, L: int) -> bool:
+        if req.handle is None:
+            return True
+        if L not in req.token_index:
+            raise RuntimeError(f"no token mask for L={L} tokens")
+        return req.token_index[L].numel() == L
+
+    def tiles(self, kind: str, out_hw: tuple[int, int]) -> TileSet:
+        """The active tiles of every sparse row (cache-reading, mask not covering the grid) for a
+        `kind` block with output grid out_hw."""
+        key = ("tiles", kind, out_hw)
+        ts = self._joint.get(key)
+        if ts is None:
+            L = out_hw[0] * out_hw[1]
+            rows = [(req.start + j, req.token_index[L]) for req in self.requests
+                    if not self._dense(req, L) for j in range(req.num_rows)]  # fmt: skip
+            ts = self._joint[key] = build_tiles(kind, out_hw, rows).to(self.device)
+        return ts
+
+    def map_buffer(
+        self, block_id: int, shape: tuple[int, int, int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A fresh (R, L, C) tensor whose cache-reading rows hold the block's cached output
+        (other rows uninitialised)."""
+        self.masked_blocks.append(block_id)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        self._fill_cached(block_id, out)
+        return out
+
+    def put_stats(self, block_id: int, stats: torch.Tensor) -> None:
+        """Capture: a ResNet's (R, width) GroupNorm statistics (rows that capture are valid)."""
+        self._stats_out[block_id] = stats
+
+    def flush_stats(self, dtype: torch.dtype) -> None:
+        """Capture, after the backbone's forward: hand each capturing request's statistics of
+        every ResNet (one row vector) to its writer as the stats pseudo-block."""
+        if self.convs is None or not self.capturing:
+            return
+        missing = set(self.convs.stats) - set(self._stats_out)
+        if missing:
+            raise RuntimeError(f"ResNets {sorted(missing)} ran without recording statistics")
+        order = sorted(self.convs.stats, key=lambda b: self.convs.stats[b][0])
+        vec = torch.cat([self._stats_out[b] for b in order], dim=1)
+        for req in self.requests:
+            if req.writer is not None:
+                rows = vec[req.start : req.start + req.num_rows]
+                req.writer.put_block(req.step, self.convs.stats_block, encode_stats(rows, dtype))
+        self._stats_out.clear()
+
+    def conv_stats(self, block_id: int, dtype: torch.dtype) -> torch.Tensor:
+        """(R, width) the template's statistics of ResNet `block_id` at this step for every
+        cache-reading row (other rows: zeros); `dtype`: the activations' (the cache's) dtype."""
+        assert self.convs is not None
+        if self._stats_in is None:
+            enc = torch.zeros((self.num_rows, 1, 2 * self.convs.width), dtype=dtype,
+                              device=self.device)  # fmt: skip
+            self._fill_cached(self.convs.stats_block, enc)
+            self._stats_in = decode_stats(enc)
+        off, width = self.convs.stats[block_id]
+        return self._stats_in[:, off : off + width]
 
     def row_offsets(self, length: int) -> torch.Tensor:
         """(R + 1,) int32 offsets r * length on the device (keys of equal length per row)."""
@@ -317,7 +389,7 @@ class StepContext:
         assert self.step_index is not None, "step_loads needs the graph form's step indices"
         loads = []
         for b in self.block_order:
-            if not self.is_masked(b):
+            if not self.is_masked(b) or self.is_map_block(b):
                 continue
             sources, shape = [], None
             for req in self.requests:
@@ -341,6 +413,12 @@ class StepContext:
                 self.loader.start_step(self.step_loads(), list(self.block_order))
             return self.loader.take(block_id)
         out = torch.empty_like(like)
+        self._fill_cached(block_id, out)
+        return out
+
+    def _fill_cached(self, block_id: int, out: torch.Tensor) -> None:
+        """Copy every cache-reading request's rows of `block_id` at its step into `out`: by the
+        device step index in the graph form, else from the handle's block."""
         if self.step_index is not None:
             for req in self.requests:
                 if req.handle is not None:
@@ -349,10 +427,9 @@ class StepContext:
                     src = stack[:, stack.shape[1] - n :]
                     dst = out[req.start : req.start + n]
                     copy_cached_step(src, self.step_index[req.start], dst)
-            return out
+            return
         for first, cached in self.cached_rows(block_id):
             copy_rows(out[first : first + cached.shape[0]], cached, non_blocking=True)
-        return out
 
     def compose(
         self, block_id: int, like: torch.Tensor, ts: TokenSet, fresh: torch.Tensor

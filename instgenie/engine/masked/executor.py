@@ -32,16 +32,37 @@ from instgenie.engine.attention import resolve_backend
 from instgenie.engine.graphs import StepGraphs
 from instgenie.engine.masked import hooks
 from instgenie.engine.masked.context import (
-    BlockTimer,
     RequestRows,
     StepContext,
     composition_key,
     use_context,
 )
+from instgenie.engine.masked.conv_layout import ConvLayout
+from instgenie.engine.masked.sparse_convs import resnet_stats_width
+from instgenie.engine.masked.timer import BlockTimer
 from instgenie.engine.request import RequestState
 from instgenie.errors import ModelLoadError
 from instgenie.lora.apply import Group, LoraBatch, use_lora
 from instgenie.scheduler.step import StepPlan
+
+
+def _fp8(state: RequestState) -> bool:
+    meta = state.cache_meta
+    return meta is not None and meta.cache_dtype.startswith("float8")
+
+
+def conv_layout(backbone: torch.nn.Module, blocks: list[hooks.BlockInfo]) -> ConvLayout | None:
+    """The ConvLayout of the conv blocks among `blocks` (None: there are none)."""
+    convs = {b.block_id: (b.kind, b.level) for b in blocks if b.kind in ("resnet", "down", "up")}
+    if not convs:
+        return None
+    stats, off = {}, 0
+    for b in blocks:
+        if b.kind == "resnet":
+            width = resnet_stats_width(backbone.get_submodule(b.name))
+            stats[b.block_id] = (off, width)
+            off += width
+    return ConvLayout(convs, stats, off, stats_block=len(blocks))
 
 
 class CacheReadFailed(RuntimeError):
@@ -58,8 +79,10 @@ class MaskedExecutor:
     def __init__(
         self, backbone: torch.nn.Module, device: torch.device, execution: ExecConfig = EXEC_DEFAULTS
     ) -> None:
-        self.blocks = hooks.install(backbone)
+        self.blocks = hooks.install(backbone, sparse_convs=execution.sparse_convs != "off")
         self.block_order = [b.block_id for b in self.blocks]
+        #: the sparse conv blocks and their statistics' place in the cache (None: none hooked)
+        self.convs = conv_layout(backbone, self.blocks)
         self.device = device
         #: ExecConfig.attention_backend (None = "auto"; tests and benchmarks switch it)
         self.attention_backend: str | None = execution.attention_backend
@@ -129,7 +152,10 @@ class MaskedExecutor:
             if ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests):
                 ctx.start_loads(self._loader(batch), self._loads(ctx, batch))
             with use_context(ctx), use_lora(loras):
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+            if ctx is not None:
+                ctx.flush_stats(dtype)
+            return out
         finally:
             for window, step in windows:
                 try:
@@ -210,6 +236,12 @@ class MaskedExecutor:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks a template's cache holds per step: the hooked ones, and the statistics
+        pseudo-block of sparse convs."""
+        return len(self.blocks) + (self.convs is not None)
+
     def context(self, batch: list[RequestState], plan: StepPlan) -> StepContext | None:
         """The step's context (None: no request reads or records a cache and nothing is timed:
         the blocks run their stock forward)."""
@@ -231,8 +263,13 @@ class MaskedExecutor:
                 )
             )
             start += s.num_rows
-        ctx = StepContext(rows, self.device, plan.compute_all, self.attention_backend,
-                          tuple(self.block_order))  # fmt: skip
+        compute_all = plan.compute_all
+        if self.convs is not None and any(_fp8(s) for s in batch):
+            # a float8 cache cannot hold GroupNorm statistics (ConvLayout): convs compute all
+            compute_all = compute_all | frozenset(self.convs.blocks)
+        ctx = StepContext(rows, self.device, compute_all, self.attention_backend,
+                          tuple(self.block_order), self.convs,
+                          tuple(batch[0].latents.shape[-2:]))  # fmt: skip
         # token sets depend only on the batch's composition: reuse them across its steps
         key = composition_key(batch)
         if self._token_cache is not None and self._token_cache[0] == key:
@@ -274,7 +311,7 @@ class MaskedExecutor:
         return [
             BlockLoad(b, (ctx.num_rows, *shapes[b]), ctx.cached_rows(b))
             for b in self.block_order
-            if ctx.is_masked(b)
+            if ctx.is_masked(b) and not ctx.is_map_block(b)
         ]
 
     @staticmethod

@@ -1,0 +1,196 @@
+"""Masked forwards of the convolutional blocks of UNet families: diffusers' ResnetBlock2D,
+Downsample2D and Upsample2D compute only the tiles that cover a cache-reading row's masked tokens
+(tiles.py), reading each tile's halo from the block's input map, whose unmasked positions hold
+the template's values (every block before it wrote its cached output there). The row's masked
+tokens are scattered into the block's cached output; the other rows (captures, full-path
+requests) run the stock forward.
+
+GroupNorm statistics are global over the map, so a tile cannot compute them: a cache-reading row
+normalises with the statistics of the template's own run at this step (captured with the cache,
+`GroupStats`), as SIGE does. For a replay of the template's own prompt, seed and mask every input
+equals the template's, so the result equals the full computation (tests/engine/
+test_sparse_convs.py); for an edit, the masked region is normalised as the template's map was.
+
+Per ResNet (time_embedding_norm "default", no resampling inside, SiLU):
+    h  = silu(gn1(x; template stats)) * valid        window a = t + 4, invalid = zero padding
+    h  = conv1(h, padding 0) + time_emb_proj(silu(temb))         (t + 2)^2
+    h  = silu(gn2(h; template stats)) * valid_inner
+    y  = (shortcut(x centre) + conv2(h, padding 0)) / output_scale_factor      t^2
+The fused GroupNorm + SiLU swap (engine/fused_norms.py) is honoured: its norm applies the SiLU
+and `nonlinearity` is identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.downsampling import Downsample2D
+from diffusers.models.resnet import ResnetBlock2D
+from diffusers.models.upsampling import Upsample2D
+from torch import nn
+
+from instgenie.engine.masked.tiles import TileSet
+
+
+def check_supported(block: nn.Module) -> str | None:
+    """None if the sparse forward reproduces this block, else why not."""
+    if isinstance(block, ResnetBlock2D):
+        if block.upsample is not None or block.downsample is not None:
+            return "resampling inside the ResNet"
+        if block.time_embedding_norm != "default":
+            return f"time_embedding_norm {block.time_embedding_norm!r}"
+        if not isinstance(block.norm1, nn.GroupNorm) or not isinstance(block.norm2, nn.GroupNorm):
+            return "norms other than GroupNorm"
+        if type(block.nonlinearity) not in (nn.SiLU, nn.Identity):
+            return f"nonlinearity {type(block.nonlinearity).__name__}"
+        if _kernel(block.conv1) != (3, 1, 1) or _kernel(block.conv2) != (3, 1, 1):
+            return "convolutions other than 3x3, stride 1, padding 1"
+        if block.conv_shortcut is not None and _kernel(block.conv_shortcut) != (1, 1, 0):
+            return "a shortcut other than a 1x1 convolution"
+        return None
+    if isinstance(block, Downsample2D):
+        if block.norm is not None or not block.use_conv or _kernel(block.conv) != (3, 2, 1):
+            return "a downsampler other than a 3x3, stride 2, padding 1 convolution"
+        return None
+    if isinstance(block, Upsample2D):
+        if block.norm is not None or block.use_conv_transpose or not block.interpolate:
+            return "an upsampler other than nearest 2x + convolution"
+        if not block.use_conv or _kernel(getattr(block, block.name if block.name == "conv"
+                                                 else "Conv2d_0")) != (3, 1, 1):  # fmt: skip
+            return "an upsampler other than nearest 2x + 3x3 convolution"
+        return None
+    return f"{type(block).__name__} has no sparse forward"
+
+
+def kind_of(block: nn.Module) -> str:
+    return {ResnetBlock2D: "resnet", Downsample2D: "down", Upsample2D: "up"}[type(block)]
+
+
+def _kernel(conv: nn.Module) -> tuple[int, int, int] | None:
+    if not isinstance(conv, nn.Conv2d) or conv.groups != 1 or conv.dilation != (1, 1):
+        return None
+    k, s, p = conv.kernel_size, conv.stride, conv.padding
+    if k[0] != k[1] or s[0] != s[1] or not isinstance(p, tuple) or p[0] != p[1]:
+        return None
+    return k[0], s[0], p[0]
+
+
+def _conv(conv: nn.Conv2d, x: torch.Tensor, stride: int = 1) -> torch.Tensor:
+    """conv's weights without its padding (tiles carry their halo)."""
+    return F.conv2d(x, conv.weight, conv.bias, stride)
+
+
+# ---- GroupNorm statistics ------------------------------------------------------------------
+def group_stats(x: torch.Tensor, num_groups: int, eps: float) -> torch.Tensor:
+    """(R, 2, G) float32 (float64 for float64 maps): mean and 1/sqrt(var + eps) per row and
+    group, as torch's group_norm computes them."""
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    var, mean = torch.var_mean(x.to(dt).reshape(x.shape[0], num_groups, -1), dim=-1,
+                               unbiased=False)  # fmt: skip
+    return torch.stack([mean, (var + eps).rsqrt()], dim=1)
+
+
+def norm_act(
+    norm: nn.GroupNorm, act: nn.Module, x: torch.Tensor, stats: torch.Tensor
+) -> torch.Tensor:
+    """act(norm(x)) with given statistics: x (n, C, a, a) tiles, stats (n, 2, G) per tile."""
+    n, C = x.shape[:2]
+    G = norm.num_groups
+    dt = stats.dtype
+    y = x.to(dt).reshape(n, G, C // G, -1)
+    y = (y - stats[:, 0, :, None, None]) * stats[:, 1, :, None, None]
+    y = y.reshape(x.shape)
+    if norm.weight is not None:
+        y = y * norm.weight.to(dt)[:, None, None] + norm.bias.to(dt)[:, None, None]
+    y = y.to(x.dtype)
+    if getattr(norm, "silu", False):  # FusedGroupNorm(silu=True): its nonlinearity is identity
+        y = F.silu(y)
+    return act(y)
+
+
+def resnet_stats_width(block: ResnetBlock2D) -> int:
+    """Floats of one row's statistics of this ResNet: mean and rstd of norm1's and norm2's
+    groups."""
+    return 2 * (block.norm1.num_groups + block.norm2.num_groups)
+
+
+def resnet_dense(
+    block: ResnetBlock2D, x: torch.Tensor, temb: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stock forward (the same module calls, so the same values), plus each row's
+    statistics (R, resnet_stats_width) of norm1's and norm2's inputs (captures record them)."""
+    s1 = group_stats(x, block.norm1.num_groups, block.norm1.eps)
+    h = block.nonlinearity(block.norm1(x))
+    h = block.conv1(h)
+    if block.time_emb_proj is not None and temb is not None:
+        if not block.skip_time_act:
+            temb = block.nonlinearity(temb)
+        h = h + block.time_emb_proj(temb)[:, :, None, None]
+    s2 = group_stats(h, block.norm2.num_groups, block.norm2.eps)
+    h = block.nonlinearity(block.norm2(h))
+    h = block.conv2(block.dropout(h))
+    shortcut = x if block.conv_shortcut is None else block.conv_shortcut(x)
+    y = (shortcut + h) / block.output_scale_factor
+    return y, torch.cat([s1.flatten(1), s2.flatten(1)], dim=1)
+
+
+# ---- tiles -----------------------------------------------------------------------------------
+def gather_windows(x: torch.Tensor, ts: TileSet) -> torch.Tensor:
+    """(n, C, a, a) input windows of every active tile, channels_last memory."""
+    R, C, H, W = x.shape
+    rows = x.permute(0, 2, 3, 1).reshape(R * H * W, C)  # a view for a channels_last map
+    g = rows.index_select(0, ts.gather).view(ts.n, ts.a, ts.a, C)
+    return g.permute(0, 3, 1, 2)
+
+
+def resnet_tiles(
+    block: ResnetBlock2D, x: torch.Tensor, temb: torch.Tensor | None, ts: TileSet,
+    stats: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """(n, C_out, t, t) outputs of every active tile; stats (R, resnet_stats_width) per row."""
+    g1 = block.norm1.num_groups
+    s = stats[ts.tile_row]
+    s1 = s[:, : 2 * g1].view(-1, 2, g1)
+    s2 = s[:, 2 * g1 :].view(-1, 2, block.norm2.num_groups)
+    win = gather_windows(x, ts)  # (n, C, t + 4, t + 4)
+    h = norm_act(block.norm1, block.nonlinearity, win, s1) * ts.valid
+    h = _conv(block.conv1, h)  # (n, C', t + 2, t + 2)
+    if block.time_emb_proj is not None and temb is not None:
+        if not block.skip_time_act:
+            temb = block.nonlinearity(temb)
+        h = h + block.time_emb_proj(temb)[ts.tile_row][:, :, None, None]
+    h = norm_act(block.norm2, block.nonlinearity, h, s2) * ts.valid[:, :, 1:-1, 1:-1]
+    h = _conv(block.conv2, block.dropout(h))  # (n, C', t, t)
+    centre = win[:, :, 2:-2, 2:-2]
+    shortcut = centre if block.conv_shortcut is None else _conv(block.conv_shortcut, centre)
+    return (shortcut + h) / block.output_scale_factor
+
+
+def down_tiles(block: Downsample2D, x: torch.Tensor, ts: TileSet) -> torch.Tensor:
+    return _conv(block.conv, gather_windows(x, ts) * ts.valid, stride=2)
+
+
+def up_tiles(block: Upsample2D, x: torch.Tensor, ts: TileSet) -> torch.Tensor:
+    win = gather_windows(x, ts)  # (n, C, t/2 + 2, t/2 + 2) source positions
+    up = win.repeat_interleave(2, dim=2).repeat_interleave(2, dim=3)[:, :, 1:-1, 1:-1]
+    conv = block.conv if block.name == "conv" else block.Conv2d_0
+    return _conv(conv, up * ts.valid)
+
+
+def scatter_tiles(out_rows: torch.Tensor, tiles: torch.Tensor, ts: TileSet) -> None:
+    """Write the masked tokens of `tiles` (n, C, t, t) into out_rows (R * Ho * Wo, C)."""
+    n, C = tiles.shape[:2]
+    flat = tiles.permute(0, 2, 3, 1).reshape(n * ts.t * ts.t, C)
+    out_rows.index_copy_(0, ts.dst, flat.index_select(0, ts.src).to(out_rows.dtype))
+
+
+def tiles_forward(block: nn.Module, kind: str, x: torch.Tensor, ts: TileSet,
+                  stats: torch.Tensor | None, temb: Any = None) -> torch.Tensor:  # fmt: skip
+    if kind == "resnet":
+        assert stats is not None
+        return resnet_tiles(block, x, temb, ts, stats)
+    if kind == "down":
+        return down_tiles(block, x, ts)
+    return up_tiles(block, x, ts)
