@@ -7,11 +7,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out/sparse_convs}" MODEL="${MODEL:-sdxl-inpaint:full}"
+# EXTRA: more bench_masked_step.py flags (e.g. --profile: the top kernels at m = 0.2)
 RATIOS="${RATIOS:-0.05 0.2 0.35}" BATCHES="${BATCHES:-1 8}" SETTINGS="${SETTINGS:-off auto}"
 mkdir -p "$OUT"
 for s in $SETTINGS; do
   # shellcheck disable=SC2086 # word splitting of the lists is intended
   INSTGENIE_SPARSE_CONVS=$s python3 bench/bench_masked_step.py --model "$MODEL" \
     --ratios $RATIOS --batches $BATCHES --image-steps 20 --image-ratio 0.2 --warmup 2 --iters 5 \
-    --out "$OUT/sparse_convs_$s.json"
+    --out "$OUT/sparse_convs_$s.json" ${EXTRA:-}
 done

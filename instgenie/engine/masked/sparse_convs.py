@@ -31,6 +31,7 @@ from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.upsampling import Upsample2D
 from torch import nn
 
+from instgenie.engine.kernels import kernel_enabled, optional_kernel
 from instgenie.engine.masked.tiles import TileSet
 
 
@@ -92,22 +93,40 @@ def group_stats(x: torch.Tensor, num_groups: int, eps: float) -> torch.Tensor:
     return torch.stack([mean, (var + eps).rsqrt()], dim=1)
 
 
-def norm_act(
-    norm: nn.GroupNorm, act: nn.Module, x: torch.Tensor, stats: torch.Tensor
-) -> torch.Tensor:
-    """act(norm(x)) with given statistics: x (n, C, a, a) tiles, stats (n, 2, G) per tile."""
-    n, C = x.shape[:2]
-    G = norm.num_groups
-    dt = stats.dtype
-    y = x.to(dt).reshape(n, G, C // G, -1)
-    y = (y - stats[:, 0, :, None, None]) * stats[:, 1, :, None, None]
-    y = y.reshape(x.shape)
+def folded_norm(norm: nn.GroupNorm, stats: torch.Tensor, add: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(scale, shift) (R, C) float32 (float64 for float64 statistics) with
+    norm(x + add)[r, c] = x * scale[r, c] + shift[r, c] under row r's statistics (R, 2, G):
+    scale = rstd * weight, shift = bias + (add - mean) * scale."""
+    R, _, G = stats.shape
+    C = norm.num_channels
+    mean = stats[:, 0].repeat_interleave(C // G, dim=1)
+    scale = stats[:, 1].repeat_interleave(C // G, dim=1)
+    dt = scale.dtype
     if norm.weight is not None:
-        y = y * norm.weight.to(dt)[:, None, None] + norm.bias.to(dt)[:, None, None]
-    y = y.to(x.dtype)
-    if getattr(norm, "silu", False):  # FusedGroupNorm(silu=True): its nonlinearity is identity
-        y = F.silu(y)
-    return act(y)
+        scale = scale * norm.weight.to(dt)
+    centred = -mean if add is None else add.to(dt) - mean
+    shift = centred * scale + (norm.bias.to(dt) if norm.bias is not None else 0.0)
+    return scale.contiguous(), shift.contiguous()
+
+
+def _silu_after(norm: nn.Module, act: nn.Module) -> bool:
+    """Whether the norm's output goes through SiLU (FusedGroupNorm(silu=True) applies it itself;
+    its `nonlinearity` is identity)."""
+    return bool(getattr(norm, "silu", False)) or isinstance(act, nn.SiLU)
+
+
+def _tile_norm(norm: nn.Module, x: torch.Tensor):  # noqa: ANN202 - the kernel or its reference
+    """The fused tile kernel where the norm's kernel switch (ExecConfig.fused_group_norm) allows
+    it on x's device and dtype, else the torch reference."""
+    mode = getattr(norm, "mode", "off")
+    if x.dtype in (torch.float16, torch.bfloat16, torch.float32) and kernel_enabled(mode, x.device):
+        kernel = optional_kernel("tile_norm", "tile_norm")
+        if kernel is not None:
+            return kernel
+    from triton_kernels.tile_norm import tile_norm_reference
+
+    return tile_norm_reference
 
 
 def resnet_stats_width(block: ResnetBlock2D) -> int:
@@ -149,21 +168,33 @@ def resnet_tiles(
     block: ResnetBlock2D, x: torch.Tensor, temb: torch.Tensor | None, ts: TileSet,
     stats: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    """(n, C_out, t, t) outputs of every active tile; stats (R, resnet_stats_width) per row."""
-    g1 = block.norm1.num_groups
-    s = stats[ts.tile_row]
-    s1 = s[:, : 2 * g1].view(-1, 2, g1)
-    s2 = s[:, 2 * g1 :].view(-1, 2, block.norm2.num_groups)
-    win = gather_windows(x, ts)  # (n, C, t + 4, t + 4)
-    h = norm_act(block.norm1, block.nonlinearity, win, s1) * ts.valid
-    h = _conv(block.conv1, h)  # (n, C', t + 2, t + 2)
+    """(n, C_out, t, t) outputs of every active tile (channels_last); stats (R, width) per row.
+    Tiles stay token-major (NHWC) end to end: the norms are one pass each (tile_norm), and the
+    time embedding folds into norm2's shift."""
+    R, C, H, W = x.shape
+    a, n, g1 = ts.a, ts.n, block.norm1.num_groups
+    rows = x.permute(0, 2, 3, 1).reshape(R * H * W, C)  # a view for a channels_last map
+    stats = stats.view(R, -1)
+    s1 = stats[:, : 2 * g1].view(R, 2, g1)
+    s2 = stats[:, 2 * g1 :].view(R, 2, block.norm2.num_groups)
+    silu1 = _silu_after(block.norm1, block.nonlinearity)
+    silu2 = _silu_after(block.norm2, block.nonlinearity)
+    tn = _tile_norm(block.norm1, x)
+    h = tn(rows, ts.gather, ts.valid.view(-1), ts.tile_row, a * a, *folded_norm(block.norm1, s1),
+           silu1)  # fmt: skip
+    h = _conv(block.conv1, h.view(n, a, a, C).permute(0, 3, 1, 2))  # (n, C', a - 2, a - 2)
+    add = None
     if block.time_emb_proj is not None and temb is not None:
         if not block.skip_time_act:
             temb = block.nonlinearity(temb)
-        h = h + block.time_emb_proj(temb)[ts.tile_row][:, :, None, None]
-    h = norm_act(block.norm2, block.nonlinearity, h, s2) * ts.valid[:, :, 1:-1, 1:-1]
-    h = _conv(block.conv2, block.dropout(h))  # (n, C', t, t)
-    centre = win[:, :, 2:-2, 2:-2]
+        add = block.time_emb_proj(temb)  # (R, C'): added before norm2, folded into its shift
+    c2, b = h.shape[1], a - 2
+    h_rows = h.permute(0, 2, 3, 1).reshape(n * b * b, c2)  # a view when cuDNN returns NHWC
+    h = tn(h_rows, None, ts.valid_inner, ts.tile_row, b * b, *folded_norm(block.norm2, s2, add),
+           silu2)  # fmt: skip
+    h = _conv(block.conv2, block.dropout(h.view(n, b, b, c2).permute(0, 3, 1, 2)))
+    t = ts.t
+    centre = rows.index_select(0, ts.centre).view(n, t, t, C).permute(0, 3, 1, 2)
     shortcut = centre if block.conv_shortcut is None else _conv(block.conv_shortcut, centre)
     return (shortcut + h) / block.output_scale_factor
 

@@ -68,10 +68,15 @@ class TileSet:
     #: and (T,) int64 their rows in the output map flattened to (R * Ho * Wo, C)
     src: torch.Tensor
     dst: torch.Tensor
+    #: ResNets: (n * (a-2)^2,) bool validity of conv1's outputs (conv2's zero padding), and
+    #: (n * t * t,) int64 input rows of each tile's centre (the shortcut); None otherwise
+    valid_inner: torch.Tensor | None = None
+    centre: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> TileSet:
-        move = {f: getattr(self, f).to(device, non_blocking=True)
-                for f in ("gather", "valid", "tile_row", "src", "dst")}  # fmt: skip
+        fields = ("gather", "valid", "tile_row", "src", "dst", "valid_inner", "centre")
+        move = {f: None if (v := getattr(self, f)) is None else v.to(device, non_blocking=True)
+                for f in fields}  # fmt: skip
         return TileSet(self.kind, self.t, self.a, self.n, **move)
 
 
@@ -120,14 +125,22 @@ def build_tiles(
         first_tile += active.numel()
     cat = lambda xs, dt: torch.cat(xs) if xs else torch.zeros(0, dtype=dt)  # noqa: E731
     v_side = t + 2 if kind == "up" else a
+    valid = torch.cat(valids) if valids else torch.zeros(0, 1, v_side, v_side, dtype=torch.bool)
+    gather = cat(gathers, torch.int64)
+    inner = centre = None
+    if kind == "resnet":
+        inner = valid[:, 0, 1:-1, 1:-1].reshape(-1)
+        centre = gather.view(-1, a, a)[:, 2:-2, 2:-2].reshape(-1)
     return TileSet(
         kind=kind,
         t=t,
         a=a,
         n=first_tile,
-        gather=cat(gathers, torch.int64),
-        valid=torch.cat(valids) if valids else torch.zeros(0, 1, v_side, v_side, dtype=torch.bool),
+        gather=gather,
+        valid=valid,
         tile_row=cat(tile_rows, torch.int64),
         src=cat(srcs, torch.int64),
         dst=cat(dsts, torch.int64),
+        valid_inner=inner,
+        centre=centre,
     )
