@@ -64,10 +64,11 @@ class ExecConfig:
     fused_conv_bias: str = _switch("auto", "INSTGENIE_FUSED_CONV_BIAS", KERNEL_MODES)
     #: ResNets and up/down-samplers of UNet families compute only the tiles covering an edit's
     #: masked tokens plus their kernels' halo, reading the rest from the template's cache, which
-    #: then also holds their outputs and GroupNorm statistics: "auto" (each block where the load
-    #: planner prices it cheaper than computing every token) | "off" (only transformer blocks
-    #: are masked) (decision 0043)
-    sparse_convs: str = _switch("auto", "INSTGENIE_SPARSE_CONVS", SPARSE_CONVS)
+    #: then also holds their outputs and GroupNorm statistics (1.6x the bytes): "auto" (each
+    #: block where the load planner prices it cheaper than computing every token) | "off" (only
+    #: transformer blocks are masked; the default until serving pays no graph captures,
+    #: decision 0043)
+    sparse_convs: str = _switch("off", "INSTGENIE_SPARSE_CONVS", SPARSE_CONVS)
     #: PNG outputs' zlib effort: "fast" (level 1, run-length matching) | "default" (Pillow's
     #: level 6) | "small" (9); lossless, only the bytes and the encode time differ (decision 0040)
     png_compression: str = _switch("fast", "INSTGENIE_PNG_COMPRESSION", PNG_COMPRESSION)

@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 
+from instgenie.config import ExecConfig
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
@@ -23,10 +24,15 @@ pytestmark = [
 
 
 @functools.cache
-def cuda_pipeline(family: str) -> EditPipeline:
+def cuda_pipeline(family: str, sparse_convs: str = "off") -> EditPipeline:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return EditPipeline.load(f"{family}:tiny", device="cuda", dtype="fp32")
+    return EditPipeline.load(f"{family}:tiny", device="cuda", dtype="fp32",
+                             execution=ExecConfig(sparse_convs=sparse_convs))  # fmt: skip
+
+
+#: the families and settings of the masked-execution checks: sparse convs (SDXL) too
+SETUPS = [("sdxl-inpaint", "off"), ("sdxl-inpaint", "auto"), ("flux-fill", "off")]
 
 
 def _run(pipe, req):
@@ -36,9 +42,9 @@ def _run(pipe, req):
     return s
 
 
-@pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
-def test_replay_on_cuda_with_triton(family: str) -> None:
-    pipe = cuda_pipeline(family)
+@pytest.mark.parametrize("family, sparse", SETUPS)
+def test_replay_on_cuda_with_triton(family: str, sparse: str) -> None:
+    pipe = cuda_pipeline(family, sparse)
     assert pipe.family.masked.attention_backend in ("auto", "triton")
     img, mask = png_bytes(make_image(128, 128, seed=1)), png_bytes(make_mask(128, 128))
     common = dict(prompt="a hat", seed=3, num_inference_steps=4)
@@ -51,9 +57,9 @@ def test_replay_on_cuda_with_triton(family: str) -> None:
     assert float((masked.latents - full.latents).abs().max()) <= 1e-4 * scale
 
 
-@pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
-def test_triton_and_sdpa_backends_agree(family: str, backend_calls) -> None:
-    pipe = cuda_pipeline(family)
+@pytest.mark.parametrize("family, sparse", SETUPS)
+def test_triton_and_sdpa_backends_agree(family: str, sparse: str, backend_calls) -> None:
+    pipe = cuda_pipeline(family, sparse)
     img, mask = png_bytes(make_image(128, 128, seed=2)), png_bytes(make_mask(128, 128))
     key = pipe.build_template(TemplateSpec(image=img, num_inference_steps=3))
     req = EditRequest(uid="e", image=None, template_id=key, mask=mask, prompt="boots", seed=5,
@@ -73,14 +79,14 @@ def test_triton_and_sdpa_backends_agree(family: str, backend_calls) -> None:
     assert float((outs["triton"] - outs["sdpa"]).abs().max()) <= 1e-4 * scale
 
 
-@pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
-def test_cuda_graph_replay_equals_eager(family: str) -> None:
+@pytest.mark.parametrize("family, sparse", SETUPS)
+def test_cuda_graph_replay_equals_eager(family: str, sparse: str) -> None:
     """Two masked requests on different templates, the second joining one step later: the
     shared composition is warmed up, captured and replayed; outputs equal the eager path."""
     from instgenie.engine.graphs import StepGraphs
     from tests.engine.test_graphs import _run_staggered
 
-    pipe = cuda_pipeline(family)
+    pipe = cuda_pipeline(family, sparse)
     ex = pipe.family.masked
     keys = [
         pipe.build_template(
@@ -441,6 +447,7 @@ def test_step_copy_compiled(dtype: torch.dtype) -> None:
 
 _SECOND_GPU = """
 import torch
+from instgenie.config import ExecConfig
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
@@ -474,3 +481,24 @@ def test_a_pipeline_on_the_second_gpu_runs_its_triton_kernels(family: str) -> No
     r = subprocess.run([sys.executable, "-c", _SECOND_GPU.format(family=family)], cwd=root,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_tile_norm_compiled(dtype: torch.dtype) -> None:
+    """The compiled sparse-conv tile kernel against its torch reference at an SDXL level-0
+    shape (320 channels, 8x8 tiles with a 2-wide halo)."""
+    from triton_kernels.tile_norm import tile_norm, tile_norm_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    C, R, P, n = 320, 2, 144, 300
+    x = (torch.randn(2 * 128 * 128, C, generator=g, device="cuda") * 3 + 1).to(dtype)
+    idx = torch.randint(0, x.shape[0], (n * P,), generator=g, device="cuda")
+    valid = torch.rand(n * P, generator=g, device="cuda") > 0.1
+    rows = torch.randint(0, R, (n,), generator=g, device="cuda")
+    scale = torch.rand(R, C, generator=g, device="cuda") + 0.1
+    shift = torch.randn(R, C, generator=g, device="cuda")
+    for silu in (True, False):
+        got = tile_norm(x, idx, valid, rows, P, scale, shift, silu)
+        want = tile_norm_reference(x, idx, valid, rows, P, scale, shift, silu)
+        tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from instgenie.config import ExecConfig
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.templates import TemplateSpec
@@ -26,8 +27,11 @@ RTOL = 1e-9
 
 
 @functools.cache
-def fp64_pipeline(family: str) -> EditPipeline:
-    return EditPipeline.load(f"{family}:tiny", dtype="fp64")
+def fp64_pipeline(family: str, sparse_convs: str = "auto") -> EditPipeline:
+    """Sparse convs on (UNet families: ResNets and samplers masked too, their invariants are
+    the transformer blocks'); test_replay_equals_full also runs attention-only masking."""
+    return EditPipeline.load(f"{family}:tiny", dtype="fp64",
+                             execution=ExecConfig(sparse_convs=sparse_convs))  # fmt: skip
 
 
 def _masks() -> dict[str, Image.Image]:
@@ -67,7 +71,17 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("mask_name", list(MASKS))
 def test_replay_equals_full(family: str, mask_name: str) -> None:
-    pipe = fp64_pipeline(family)
+    _replay_equals_full(fp64_pipeline(family), mask_name)
+
+
+@pytest.mark.parametrize("mask_name", ["ellipse", "full"])
+def test_replay_equals_full_attention_only(mask_name: str) -> None:
+    pipe = fp64_pipeline("sdxl-inpaint", "off")
+    assert pipe.family.masked.convs is None
+    _replay_equals_full(pipe, mask_name)
+
+
+def _replay_equals_full(pipe: EditPipeline, mask_name: str) -> None:
     img, mask = png_bytes(make_image(128, 128, seed=1)), png_bytes(MASKS[mask_name])
     common = dict(prompt="a red felt hat", seed=5, num_inference_steps=STEPS)
     key = pipe.build_template(TemplateSpec(image=img, mask=mask, **common))
