@@ -266,17 +266,18 @@ class StepGraphs:
             entry.graph = entry.output = None  # a failure after instantiation: no half graph
             if ctx is not None:
                 ctx.masked_blocks = []
-                ctx._joint.clear()  # built inside the failed capture
+                ctx.forget_built()  # built inside the failed capture
             if first:  # something in a new composition needs a warm-up: always warm up now
                 log.warning("CUDA graph capture on a composition's first call failed (%s: %s);"
-                            " warming up first from now on", type(exc).__name__, exc)  # fmt: skip
+                            " warming up first from now on", type(exc).__name__, exc,
+                            exc_info=True)  # fmt: skip
                 self.capture_first = False
                 self._entries = OrderedDict(
                     (k, e) for k, e in self._entries.items() if e is entry or e.graph is None
                 )
             else:  # an op that cannot be captured: stay eager from now on
                 log.warning("CUDA graph capture failed (%s: %s); running eagerly",
-                            type(exc).__name__, exc)  # fmt: skip
+                            type(exc).__name__, exc, exc_info=True)  # fmt: skip
                 self.mode = "off"
                 self._entries.clear()
             with use_context(ctx):

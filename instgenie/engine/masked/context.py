@@ -186,6 +186,12 @@ class StepContext:
         #: handle's per-block stack of all steps, so one captured graph serves every step
         self.step_index: dict[int, torch.Tensor] | None = None
 
+    def forget_built(self) -> None:
+        """Drop what the step built on the device (token sets of the composition, the template's
+        statistics): after a failed CUDA-graph capture they hold memory no kernel wrote."""
+        self._joint.clear()
+        self._stats_in = None
+
     def is_masked(self, block_id: int) -> bool:
         """Whether this block computes masked tokens only (some row reads the cache and the
         plan does not say "compute all tokens" for it)."""
