@@ -22,17 +22,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from instgenie.cache.quant import FP8  # noqa: E402
 from instgenie.cache.store import InMemoryStore  # noqa: E402
+from instgenie.config import ExecConfig  # noqa: E402
 from instgenie.dataset import classifier  # noqa: E402
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.reference import evaluate  # noqa: E402
 from instgenie.scheduler.fits import Profile  # noqa: E402
 
 
-def pipes_for(model: str, device: str = "cpu", profile: Path | None = None) -> dict:
+def pipes_for(model: str, device: str = "cpu", profile: Path | None = None,
+              sparse_convs: str = "off") -> dict:  # fmt: skip
     """One pipeline per cache variant, sharing one loaded family: the cache on the compute
     device in the model's dtype, the same in fp8, and (with a fitted profile) the cache in host
     memory with the load planner choosing the blocks that compute every token (paper Alg. 1)."""
-    base = EditPipeline.load(model, device=device)
+    base = EditPipeline.load(model, device=device,
+                             execution=ExecConfig(sparse_convs=sparse_convs))  # fmt: skip
     dev = base.family.device
     fp8 = InMemoryStore(dev, dtype=FP8)
     pipes = {"cache": base, "cache_fp8": EditPipeline(base.family, store=fp8)}
@@ -56,8 +59,10 @@ def main() -> int:
     p.add_argument("--profile", type=Path, default=None,
                    help="a fitted profile (instgenie profile): the planner variant")  # fmt: skip
     p.add_argument("--tag", default="", help="suffix of the output files' names")
+    p.add_argument("--sparse-convs", default="off", choices=("auto", "off"),
+                   help="ExecConfig.sparse_convs of the masked path (UNet families)")
     args = p.parse_args()
-    pipes = pipes_for(args.model, args.device, args.profile)
+    pipes = pipes_for(args.model, args.device, args.profile, args.sparse_convs)
     clf = classifier.RegionClassifier.load(classifier.DEFAULT_WEIGHTS)
     cases = evaluate.cases(args.cases, max_ratio=args.max_ratio)
     rows, outs, t0 = [], [], time.monotonic()
@@ -74,6 +79,7 @@ def main() -> int:
                             text=True).stdout.strip()  # fmt: skip
     record = {
         "model": args.model, "steps": args.steps, "guidance": args.guidance,
+        "sparse_convs": args.sparse_convs,
         "max_ratio": args.max_ratio, "template_seed": evaluate.TEMPLATE_SEED,
         "eval_seed": evaluate.EVAL_SEED, "band_px": evaluate.BAND,
         "summary": evaluate.summary(rows, list(pipes)), "rows": rows,
