@@ -67,3 +67,24 @@ def test_sparse_resnet_through_the_kernel(hw: tuple[int, int]) -> None:
     want = y.permute(0, 2, 3, 1).reshape(-1, 16)
     torch.testing.assert_close(out[ts.dst], want[ts.dst], rtol=1e-4, atol=1e-4)
     assert sc._tile_norm(block.norm1, x).__name__ == "tile_norm" and calls > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_tile_norm_compiled(dtype: torch.dtype) -> None:
+    """The compiled sparse-conv tile kernel against its torch reference at an SDXL level-0
+    shape (320 channels, 8x8 tiles with a 2-wide halo)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    C, R, P, n = 320, 2, 144, 300
+    x = (torch.randn(2 * 128 * 128, C, generator=g, device="cuda") * 3 + 1).to(dtype)
+    idx = torch.randint(0, x.shape[0], (n * P,), generator=g, device="cuda")
+    valid = torch.rand(n * P, generator=g, device="cuda") > 0.1
+    rows = torch.randint(0, R, (n,), generator=g, device="cuda")
+    scale = torch.rand(R, C, generator=g, device="cuda") + 0.1
+    shift = torch.randn(R, C, generator=g, device="cuda")
+    for silu in (True, False):
+        got = tile_norm(x, idx, valid, rows, P, scale, shift, silu)
+        want = tile_norm_reference(x, idx, valid, rows, P, scale, shift, silu)
+        tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
