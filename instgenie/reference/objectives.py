@@ -17,6 +17,13 @@ in {0, 1}; captions (B strings); edit (B,) bool: rows whose unmasked pixels are 
 (pool.py), whose loss counts only where the mask is (on the latent grid, grown by one cell),
 since outside it the context and the target disagree by construction. Each row's loss is its
 mean over the cells it counts. The pool is encoded once by the trained, frozen VAE.
+
+The forward process's noise may carry extra low-frequency power (`shaped_noise`: offset noise
+and multi-resolution noise, decision 0045): a noise-prediction model trained on plain white
+noise learns to read a region's colour from the faint signal the noisiest timesteps leave
+(SDXL's schedule keeps sqrt(alpha_bar) = 0.068 at t = 999), and at inference, where sampling
+starts from pure noise, it reads the noise's own regional means as colour. Sampling is
+unchanged: the pipelines still start from white noise.
 """
 
 from __future__ import annotations
@@ -39,14 +46,38 @@ def cell_weights(masks: torch.Tensor, edit: torch.Tensor | None,
     return torch.where(edit[:, None, None, None], touched, ones)
 
 
+def shaped_noise(shape: tuple[int, ...], device: torch.device, gen: torch.Generator,
+                 offset: float = 0.0, multires: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """(B, C, H, W) Gaussian noise: white, plus `offset` x one value per row and channel
+    (offset noise), plus discount**i x white noise on a grid 2**i times coarser (bilinearly
+    upsampled) for every level i >= 1 down to one cell (multi-resolution noise); each row then
+    rescaled to unit standard deviation. offset = multires = 0: plain white noise."""
+    b, c, h, w = shape
+    noise = torch.randn(shape, device=device, generator=gen)
+    if not (offset or multires):
+        return noise
+    level = 1
+    while multires and min(h, w) >> (level - 1) > 1:
+        low = torch.randn((b, c, max(1, h >> level), max(1, w >> level)), device=device,
+                          generator=gen)  # fmt: skip
+        up = F.interpolate(low, size=(h, w), mode="bilinear", align_corners=False)
+        noise = noise + up * multires**level
+        level += 1
+    if offset:
+        noise = noise + offset * torch.randn((b, c, 1, 1), device=device, generator=gen)
+    return noise / noise.std(dim=(1, 2, 3), keepdim=True)
+
+
 def row_means(err: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """(B,): each row's mean of err (B, 1, H, W) over the cells w (0 / 1) counts."""
     return (err * w).sum(dim=(1, 2, 3)) / w.sum(dim=(1, 2, 3)).clamp_min(1.0)
 
 
 class SDXLObjective:
-    def __init__(self, pipe: Any, uncond_p: float) -> None:
+    def __init__(self, pipe: Any, uncond_p: float, offset: float = 0.0,
+                 multires: float = 0.0) -> None:  # fmt: skip
         self.pipe, self.uncond_p = pipe, uncond_p
+        self.noise = {"offset": offset, "multires": multires}
         self.modules = [pipe.unet, pipe.text_encoder, pipe.text_encoder_2]
         self._alphas: torch.Tensor | None = None
         w = pipe.unet.conv_in.weight  # the memory format train.py gave the UNet
@@ -75,7 +106,7 @@ class SDXLObjective:
             self._alphas = pipe.scheduler.alphas_cumprod.to(dev, torch.float32)
         t = torch.randint(0, len(self._alphas), (b,), device=dev, generator=gen)
         a = self._alphas[t][:, None, None, None]
-        noise = torch.randn(latents.shape, device=dev, generator=gen)
+        noise = shaped_noise(tuple(latents.shape), dev, gen, **self.noise)
         noisy = a.sqrt() * latents + (1 - a).sqrt() * noise
         x = torch.cat([noisy, mask_lat, masked], dim=1)
         pred = pipe.unet(
@@ -90,8 +121,10 @@ class SDXLObjective:
 
 
 class FluxObjective:
-    def __init__(self, pipe: Any, uncond_p: float) -> None:
+    def __init__(self, pipe: Any, uncond_p: float, offset: float = 0.0,
+                 multires: float = 0.0) -> None:  # fmt: skip
         self.pipe, self.uncond_p = pipe, uncond_p  # no CFG at inference: captions never dropped
+        self.noise = {"offset": offset, "multires": multires}
         self.modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
 
     def loss(self, lat: torch.Tensor, masked: torch.Tensor, masks: torch.Tensor,
@@ -114,7 +147,7 @@ class FluxObjective:
         )  # fmt: skip
         img_ids = pipe._prepare_latent_image_ids(b, h // 2, w // 2, dev, lat.dtype)
         s = torch.sigmoid(torch.randn(b, device=dev, generator=gen))
-        noise = torch.randn(x0.shape, device=dev, generator=gen)
+        noise = pipe._pack_latents(shaped_noise((b, c, h, w), dev, gen, **self.noise), b, c, h, w)
         xt = (1 - s[:, None, None]) * x0 + s[:, None, None] * noise
         pred = pipe.transformer(
             hidden_states=torch.cat((xt, masked, mask_packed), dim=2), timestep=s, guidance=None,

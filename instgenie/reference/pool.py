@@ -98,6 +98,7 @@ class _Inline:
 
 def save(pool: Pool, path: Path) -> None:
     """One .npz (uncompressed) plus its captions as JSON beside it; written whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part.npz")
     extra = {} if pool.partners is None else {"partners": pool.partners}
     np.savez(tmp, images=pool.images, masks=pool.masks, **extra)

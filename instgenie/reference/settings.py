@@ -24,6 +24,14 @@ class TrainConfig:
     #: VAE loss: L1 + this x L1 of image gradients + kl_weight x KL (summed over latents)
     grad_weight: float = 0.5
     kl_weight: float = 1e-6
+    #: + this x L1 of the images' 8 x 8 means (regional colour; 0 in runs 1-6)
+    colour_weight: float = 1.0
+    #: with init: fine-tune the VAE's decoder alone (encoder frozen, so the latent space the
+    #: backbone learnt is kept) for this many steps on whole images (vae_minutes bounds it)
+    decoder_steps: int = 0
+    decoder_lr: float = 2e-4
+    #: share of the decoder fine-tune's images shown with their RGB channels permuted
+    colour_augment: float = 0.5
     steps: int = 20000
     batch: int = 64
     lr: float = 4e-4
@@ -33,6 +41,10 @@ class TrainConfig:
     full_mask_p: float = 0.2
     #: share of masked samples shown their twin's unmasked pixels (pool.py: edit training)
     edit_p: float = 0.5
+    #: the forward process's noise (objectives.shaped_noise): offset noise (std of one value
+    #: per row and channel) and the multi-resolution discount per halving (0: white noise)
+    noise_offset: float = 0.0
+    multires_noise: float = 0.0
     #: share of captions dropped (SDXL's unconditional row for CFG)
     uncond_p: float = 0.1
     #: stop each phase after this many minutes (0: no limit)

@@ -144,6 +144,29 @@ def _differences(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x[..., 1:, :] - x[..., :-1, :], x[..., :, 1:] - x[..., :, :-1]
 
 
+def _reconstruction_loss(rec: torch.Tensor, images: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+    """L1 + grad_weight x L1 of the image gradients + colour_weight x L1 of 8 x 8 means (a
+    region's colour, what the region classifier reads)."""
+    loss = (rec - images).abs().mean()
+    for a, b in zip(_differences(rec), _differences(images), strict=True):
+        loss = loss + cfg.grad_weight * (a - b).abs().mean()
+    if cfg.colour_weight:
+        loss = (
+            loss + cfg.colour_weight * (F.avg_pool2d(rec, 8) - F.avg_pool2d(images, 8)).abs().mean()
+        )
+    return loss
+
+
+def _optimize(opt: torch.optim.Optimizer, loss: torch.Tensor, params: list[torch.Tensor],
+              curve: Curve, step: int) -> None:  # fmt: skip
+    """One optimizer step on `loss` (gradients clipped to norm 1), logged on `curve`."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    curve.add(step, float(loss.detach()))
+
+
 def train_vae(vae: Any, batches: Batches, cfg: TrainConfig, gen: torch.Generator) -> dict:
     dev = batches.device
     vae.train().requires_grad_(True)
@@ -155,15 +178,44 @@ def train_vae(vae: Any, batches: Batches, cfg: TrainConfig, gen: torch.Generator
         with _autocast(dev, cfg.amp):
             post = vae.encode(images).latent_dist
             rec = vae.decode(post.sample(gen)).sample.float()
-        loss = (rec - images).abs().mean()
-        for a, b in zip(_differences(rec), _differences(images), strict=True):
-            loss = loss + cfg.grad_weight * (a - b).abs().mean()
-        loss = loss + cfg.kl_weight * post.kl().float().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        curve.add(step, float(loss.detach()))
+        loss = _reconstruction_loss(rec, images, cfg) + cfg.kl_weight * post.kl().float().mean()
+        _optimize(opt, loss, list(vae.parameters()), curve, step)
+        if cfg.vae_minutes and curve.elapsed_min() >= cfg.vae_minutes:
+            break
+    vae.eval().requires_grad_(False)
+    return {"steps": step, "curve": curve.points}
+
+
+def finetune_decoder(vae: Any, batches: Batches, cfg: TrainConfig, gen: torch.Generator) -> dict:
+    """Train the VAE's decoder (and post-quant conv) alone on whole images, decoding posterior
+    samples of the frozen encoder: the latent space a trained backbone learnt stays as it is,
+    while the decoder learns to render those latents' colours faithfully (decision 0045). Whole
+    images, not crops: the decoder's GroupNorms then see the statistics they see in use. A share
+    colour_augment of the images have their RGB channels permuted: the pool's garments come in
+    the train split's colour x pattern combinations only, and a codec must render every colour
+    (a held-out solid red decoded orange before). The learning rate falls on a cosine to
+    lr_final over the steps or vae_minutes."""
+    dev = batches.device
+    vae.eval().requires_grad_(False)
+    parts = [vae.decoder] + ([vae.post_quant_conv] if vae.post_quant_conv is not None else [])
+    params = [p for m in parts for p in m.parameters()]
+    for m in parts:
+        m.train().requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=cfg.decoder_lr, betas=(0.9, 0.99), weight_decay=0)
+    curve = Curve(cfg.log_every)
+    side, step = batches.images.shape[1], 0
+    for step in range(1, cfg.decoder_steps + 1):
+        minutes = curve.elapsed_min() / cfg.vae_minutes if cfg.vae_minutes else 0.0
+        for group in opt.param_groups:
+            group["lr"] = cfg.decoder_lr * _cosine(max(step / cfg.decoder_steps, minutes), cfg)
+        images = batches.images_crops(cfg.vae_batch, side)
+        for i in np.flatnonzero(batches.rng.random(len(images)) < cfg.colour_augment):
+            images[i] = images[i, torch.from_numpy(batches.rng.permutation(3)).to(dev)]
+        with _autocast(dev, cfg.amp):
+            with torch.no_grad():
+                z = vae.encode(images).latent_dist.sample(gen)
+            rec = vae.decode(z).sample.float()
+        _optimize(opt, _reconstruction_loss(rec, images, cfg), params, curve, step)
         if cfg.vae_minutes and curve.elapsed_min() >= cfg.vae_minutes:
             break
     vae.eval().requires_grad_(False)
@@ -189,8 +241,13 @@ def lr_factor(cfg: TrainConfig, step: int, minutes: float) -> float:
     progress = step / cfg.steps
     if cfg.max_minutes:
         progress = max(progress, minutes / cfg.max_minutes)
+    return warm * _cosine(progress, cfg)
+
+
+def _cosine(progress: float, cfg: TrainConfig) -> float:
+    """From 1 at progress 0 to cfg.lr_final at progress >= 1, on a half cosine."""
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return warm * (cfg.lr_final + (1 - cfg.lr_final) * cosine)
+    return cfg.lr_final + (1 - cfg.lr_final) * cosine
 
 
 def _assign(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -216,8 +273,9 @@ class BackboneStep:
     objective on a batch of `batches`, backward, clipping, AdamW) and the EMA update. What
     train_backbone repeats and bench/train_speed.py times."""
 
-    def __init__(self, pipe: Any, family: str, uncond_p: float, lr: float) -> None:
-        self.objective = OBJECTIVES[family](pipe, uncond_p)
+    def __init__(self, pipe: Any, family: str, uncond_p: float, lr: float,
+                 noise_offset: float = 0.0, multires_noise: float = 0.0) -> None:  # fmt: skip
+        self.objective = OBJECTIVES[family](pipe, uncond_p, noise_offset, multires_noise)
         self.params = [p for m in self.objective.modules for p in m.parameters()]
         for m in self.objective.modules:
             m.train().requires_grad_(True)
@@ -250,7 +308,8 @@ class BackboneStep:
 
 def train_backbone(pipe: Any, batches: Batches, cfg: TrainConfig, gen: torch.Generator,
                    out: Path | None = None) -> dict:  # fmt: skip
-    step_once = BackboneStep(pipe, cfg.family, cfg.uncond_p, cfg.lr)
+    step_once = BackboneStep(pipe, cfg.family, cfg.uncond_p, cfg.lr, cfg.noise_offset,
+                             cfg.multires_noise)  # fmt: skip
     curve = Curve(cfg.log_every)
     step, last_checkpoint = 0, 0.0
     for step in range(1, cfg.steps + 1):
@@ -284,6 +343,9 @@ def train(cfg: TrainConfig, pool: Pool, out: Path, device: str = "cuda") -> dict
     if cfg.init:
         pipe = configs.load_pipeline(cfg.family, cfg.init).to(dev)
         vae_log = {"steps": 0, "curve": [], "from": cfg.init}
+        if cfg.decoder_steps:
+            vae_log["reconstruction_psnr_db_before"] = reconstruction_psnr(pipe.vae, batches)
+            vae_log["decoder"] = finetune_decoder(pipe.vae, batches, cfg, gen)
         stats = latent_stats(pipe.vae, batches, gen)
         scaling = {k: pipe.vae.config[k] for k in ("scaling_factor", "shift_factor")
                    if pipe.vae.config.get(k) is not None}  # fmt: skip
@@ -301,9 +363,12 @@ def train(cfg: TrainConfig, pool: Pool, out: Path, device: str = "cuda") -> dict
         pipe.unet.to(memory_format=torch.channels_last)
     vae_rec = reconstruction_psnr(pipe.vae, batches)
     t_enc = time.monotonic()
-    batches.encode(pipe.vae, cfg.amp)
+    backbone_log = {"steps": 0, "curve": []}
+    if cfg.steps:  # steps 0: the VAE alone (a decoder fine-tune keeps the backbone as it was)
+        batches.encode(pipe.vae, cfg.amp)
     encode_s = time.monotonic() - t_enc
-    backbone_log = train_backbone(pipe, batches, cfg, gen, out)
+    if cfg.steps:
+        backbone_log = train_backbone(pipe, batches, cfg, gen, out)
     seconds = time.monotonic() - t0
     save(pipe, out)
     record = {

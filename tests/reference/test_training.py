@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageFilter
 from safetensors import safe_open
 
@@ -185,3 +186,69 @@ def test_a_checkpoint_writes_the_ema_weights_and_leaves_training_untouched(tmp_p
     saved = configs.load_pipeline("flux-fill", str(tmp_path / "ck")).transformer
     assert all(torch.equal(p, e.half().float())
                for p, e in zip(saved.parameters(), ema, strict=True))  # fmt: skip
+
+
+def test_shaped_noise_adds_low_frequency_power_at_unit_variance() -> None:
+    """objectives.shaped_noise: with no shaping it is the generator's white noise; offset and
+    multi-resolution noise keep each row at unit variance and raise the variance of its regional
+    means (what a noise-prediction model must learn not to read as colour) by the expected
+    amount."""
+    from instgenie.reference.objectives import shaped_noise
+
+    shape, dev = (64, 4, 64, 64), torch.device("cpu")
+
+    def gen() -> torch.Generator:
+        return torch.Generator().manual_seed(3)
+
+    white = shaped_noise(shape, dev, gen())
+    assert torch.equal(white, torch.randn(shape, generator=gen()))
+    for offset, multires in [(0.1, 0.0), (0.0, 0.4), (0.1, 0.4)]:
+        n = shaped_noise(shape, dev, gen(), offset, multires)
+        assert torch.allclose(n.std(dim=(1, 2, 3)), torch.ones(64), atol=1e-5)
+        assert abs(float(n.mean())) < 0.05
+    # whole-image means per row and channel: white noise 1 / 4096 of a unit variance; offset
+    # noise 0.1 adds 0.01 / (1 + 0.01)
+    assert float(white.mean(dim=(2, 3)).var()) < 1e-3
+    offset = shaped_noise(shape, dev, gen(), 0.1, 0.0)
+    assert 0.006 < float(offset.mean(dim=(2, 3)).var()) < 0.016
+
+    # 16 x 16 regions (a garment's size on the 64 x 64 latent grid): multi-resolution noise
+    # carries the coarse levels' power there (discount 0.4: levels 3-6 hold ~0.004 of 1.19)
+    def region_var(x: torch.Tensor) -> float:
+        return float(torch.nn.functional.avg_pool2d(x, 16).var())
+
+    multires = shaped_noise(shape, dev, gen(), 0.0, 0.4)
+    assert region_var(white) < 0.006
+    assert region_var(multires) > 2 * region_var(white)
+
+
+def test_a_decoder_fine_tune_changes_the_decoder_alone(tmp_path: Path) -> None:
+    """`--init DIR --steps 0 --decoder-steps N` (decision 0045): the decoder and post-quant conv
+    train; the encoder (so the latent space), its scaling and the backbone stay byte for byte,
+    and the record holds the decoder's curve and the reconstruction before and after."""
+    from safetensors.torch import load_file
+
+    src = REF_ROOT / "sdxl-inpaint"
+    out = tmp_path / "dec"
+    rc = main(["train-reference", "--family", "sdxl-inpaint", "--init", str(src), "--out",
+               str(out), "--device", "cpu", "--scenes", "4", "--size", "64", "--steps", "0",
+               "--decoder-steps", "2", "--vae-batch", "2", "--colour-augment", "1",
+               "--log-every", "1", "--amp", "fp32"])  # fmt: skip
+    assert rc == 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["backbone"]["steps"] == 0
+    assert record["vae"]["decoder"]["steps"] == 2 and len(record["vae"]["decoder"]["curve"]) == 2
+    assert "reconstruction_psnr_db_before" in record["vae"]
+    name = "diffusion_pytorch_model.safetensors"
+    before, after = load_file(src / "vae" / name), load_file(out / "vae" / name)
+    assert before.keys() == after.keys()
+    trained = [k for k in before if k.startswith(("decoder.", "post_quant_conv."))]
+    assert all(torch.equal(before[k], after[k]) for k in before.keys() - set(trained))
+    # two steps at lr 2e-4 move most decoder tensors past fp16's resolution (not every one:
+    # a norm weight near 1 moves by less than its fp16 step)
+    moved = sum(not torch.equal(before[k], after[k]) for k in trained)
+    assert moved > len(trained) // 2, (moved, len(trained))
+    unet_before, unet_after = load_file(src / "unet" / name), load_file(out / "unet" / name)
+    assert all(torch.equal(unet_before[k], unet_after[k]) for k in unet_before)
+    config = lambda d: json.loads((d / "vae" / "config.json").read_text())  # noqa: E731
+    assert config(out)["scaling_factor"] == config(src)["scaling_factor"]
