@@ -48,10 +48,11 @@ def run(pipe: EditPipeline, case_list: list[evaluate.Case], steps: int,
 
 
 def score(clf: classifier.RegionClassifier, case_list: list[evaluate.Case],
-          images: list[np.ndarray]) -> dict:  # fmt: skip
-    """Accuracy (colour, pattern, both) of the outputs and of the exact target renders, over
-    all cases and per mask kind."""
-    rows = [(c.kind, evaluate.adherence(clf, im, c), evaluate.adherence(clf, c.target, c))
+          images: list[np.ndarray], vae=None) -> dict:  # noqa: ANN001  # fmt: skip
+    """Accuracy (colour, pattern, both) of the outputs, of the exact target renders and (with
+    the model's `vae`) of those renders through the VAE, over all cases and per mask kind."""
+    rows = [(c.kind, evaluate.adherence(clf, im, c), evaluate.adherence(clf, c.target, c),
+             evaluate.adherence(clf, evaluate.vae_round_trip(vae, c.target), c) if vae else None)
             for c, im in zip(case_list, images, strict=True)]  # fmt: skip
 
     def acc(sel: list, which: int) -> dict:
@@ -62,9 +63,25 @@ def score(clf: classifier.RegionClassifier, case_list: list[evaluate.Case],
     for k in sorted({r[0] for r in rows}):
         sel = [r for r in rows if r[0] == k]
         by_kind[k] = {"cases": len(sel), "full": acc(sel, 1), "target": acc(sel, 2)}
+        if vae is not None:
+            by_kind[k]["vae_round_trip"] = acc(sel, 3)
     cases = [{"id": c.id, "kind": r[0], "full": r[1]} for c, r in zip(case_list, rows, strict=True)]
-    return {"cases": len(rows), "full": acc(rows, 1), "target": acc(rows, 2), "by_kind": by_kind,
-            "rows": cases}  # fmt: skip
+    out = {"cases": len(rows), "full": acc(rows, 1), "target": acc(rows, 2)}
+    if vae is not None:  # the VAE's ceiling: the exact edit, encoded and decoded
+        out["vae_round_trip"] = acc(rows, 3)
+    return out | {"by_kind": by_kind, "rows": cases}
+
+
+def _vae(model: str, device: str):  # noqa: ANN202
+    """The model's VAE (float32, on `device`) where it loads from a directory, else None."""
+    from diffusers import AutoencoderKL
+
+    from instgenie.engine.family import ModelSpec
+
+    directory = ModelSpec.parse(model).directory
+    if directory is None or not (directory / "vae").is_dir():
+        return None
+    return AutoencoderKL.from_pretrained(directory / "vae", torch_dtype=torch.float32).to(device)
 
 
 def main() -> int:
@@ -92,11 +109,12 @@ def main() -> int:
     else:
         pipe = EditPipeline.load(args.model, device=args.device)
         images = {s: run(pipe, cl, args.steps, args.guidance) for s, cl in case_lists.items()}
+    vae = _vae(args.model, args.device)
     record = {
         "model": args.model, "steps": args.steps, "guidance": args.guidance,
         "max_ratio": args.max_ratio, "eval_seed": evaluate.EVAL_SEED,
         "classifier": str(args.classifier),
-        "splits": {s: score(clf, case_lists[s], images[s]) for s in splits},
+        "splits": {s: score(clf, case_lists[s], images[s], vae) for s in splits},
         "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
                    else platform.processor() or "cpu"),
         "torch": torch.__version__, "seconds": round(time.monotonic() - t0, 1),
@@ -106,7 +124,7 @@ def main() -> int:
         made = json.loads(args.rescore.with_suffix(".json").read_text())
         record |= {k: made[k] for k in ("device", "torch", "seconds", "command", "steps")}
         record["rescored"] = " ".join(sys.argv)
-    name = args.model.replace(":", "-") + args.tag
+    name = evaluate.output_name(args.model, args.tag)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"adherence-{name}.json").write_text(json.dumps(record, indent=1) + "\n")
     if args.rescore is None:

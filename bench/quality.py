@@ -73,7 +73,7 @@ def main() -> int:
             outs.append(o)
         print(json.dumps({k: rows[-1][k] for k in ("id", "kind", "ratio")}
                          | {"ssim": rows[-1]["cache"]["ssim"]}), flush=True)  # fmt: skip
-    name = args.model.replace(":", "-") + args.tag
+    name = evaluate.output_name(args.model, args.tag)
     args.out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,11 @@ def cases(count: int, size: int = 256, seed: int = EVAL_SEED, max_ratio: float =
     return out
 
 
+def output_name(model: str, tag: str = "") -> str:
+    """A benchmark's file-name stem for `model` (FAMILY:SIZE or FAMILY:/a/directory) + tag."""
+    return re.sub(r"[^A-Za-z0-9._]+", "-", model).strip("-") + tag
+
+
 def png(a: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(a).save(buf, format="PNG")
@@ -105,6 +111,17 @@ def adherence(clf: classifier.RegionClassifier, image: Image.Image | np.ndarray,
     pred = clf.predict(np.asarray(image), case.garment & case.mask)
     hit = {t: pred[t] == case.want[t] for t in ("colour", "pattern")}
     return {**hit, "both": hit["colour"] and hit["pattern"]}
+
+
+def vae_round_trip(vae, image: np.ndarray) -> np.ndarray:  # noqa: ANN001
+    """`image` (S, S, 3) uint8 encoded by `vae` (its posterior mean) and decoded: what the
+    model's VAE can render at best (the ceiling of any edit's colours), uint8."""
+    import torch
+
+    x = torch.from_numpy(image).permute(2, 0, 1)[None].to(vae.device, vae.dtype) / 127.5 - 1
+    with torch.no_grad():
+        rec = vae.decode(vae.encode(x).latent_dist.mode()).sample.float().clamp(-1, 1)
+    return ((rec[0].permute(1, 2, 0) + 1) * 127.5).round().byte().cpu().numpy()
 
 
 def unmasked_equal(out: Image.Image, case: Case) -> bool:
