@@ -1,6 +1,6 @@
 """Loss curves of the reference models' training runs (docs/benchmarks/data/reference/
-FAMILY-N.json, one per `train-reference` run, N in order) as one PNG: VAE and backbone phases,
-runs chained on one step axis.
+FAMILY-N.json, one per `train-reference` run, N in order) as one PNG: VAE (and decoder
+fine-tune) and backbone phases, backbone runs chained on one step axis.
 
     python scripts/plot_reference_training.py docs/benchmarks/reference-training.png
 """
@@ -29,6 +29,10 @@ def main(out: str) -> None:
             if r["vae"]["curve"]:
                 s, loss, _ = zip(*r["vae"]["curve"], strict=True)
                 axes[0, col].plot(s, loss, label=f"run {path.stem.rsplit('-', 1)[1]}")
+            if r["vae"].get("decoder", {}).get("curve"):  # decoder fine-tunes (+ colour L1)
+                s, loss, _ = zip(*r["vae"]["decoder"]["curve"], strict=True)
+                label = f"run {path.stem.rsplit('-', 1)[1]}: decoder alone, + 8x8-mean L1"
+                axes[0, col].plot(s, loss, label=label)
             if r["backbone"]["curve"]:
                 s, loss, _ = zip(*r["backbone"]["curve"], strict=True)
                 label = f"run {path.stem.rsplit('-', 1)[1]} (batch {r['config']['batch']})"

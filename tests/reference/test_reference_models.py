@@ -3,20 +3,20 @@ path and edit; on a fixed held-out set the masked path stays close to the full p
 edits read as the prompt asked; a cache whose rows are shifted by one token breaks those bounds.
 
 Bounds: the first four evaluate.cases (held-out scenes and prompts), 10 steps, CPU float32, the
-family's default guidance; masked against full after paste-back. Measured with the run-6
-weights and the second classifier (the 24-case, 20-step figures are in
-docs/benchmarks/quality.md):
+family's default guidance; masked against full after paste-back. Measured with the shipped
+weights (run 6's backbones, the fine-tuned VAE decoders of decision 0045) and the second
+classifier (the 24-case, 20-step figures are in docs/benchmarks/quality.md):
 
                     SSIM whole (bound)   SSIM in mask (bound)   colour read (bound)
-  sdxl-inpaint:ref  0.983 (0.95)         0.926 (0.85)           2 of 4 (1 of 4)
-  flux-fill:ref     0.990 (0.98)         0.962 (0.95)           3 of 4 (2 of 4)
+  sdxl-inpaint:ref  0.980 (0.95)         0.915 (0.85)           4 of 4 (2 of 4)
+  flux-fill:ref     0.990 (0.98)         0.961 (0.95)           2 of 4 (1 of 4)
   rows shifted by one token:
-  sdxl-inpaint:ref  0.917                0.615
+  sdxl-inpaint:ref  0.911                0.598
   flux-fill:ref     0.970                0.880
 
 The shifted cache does not move the colour the classifier reads in a way a bound can hold (the
-masked tokens are computed; their context is what moves: SDXL reads 3 of 4 shifted against 2 of
-4, Flux 3 of 4 either way), so the corruption test asserts the in-mask SSIM bound.
+masked tokens are computed; their context is what moves: SDXL reads 3 of 4 shifted against 4 of
+4, Flux 2 of 4 either way), so the corruption test asserts the in-mask SSIM bound.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ CASES = 4
 #: measured (10 steps, 4 cases): see the module docstring; bounds sit below the measurements
 SSIM_BOUND = {"sdxl-inpaint": 0.95, "flux-fill": 0.98}
 MASK_SSIM_BOUND = {"sdxl-inpaint": 0.85, "flux-fill": 0.95}
-COLOUR_BOUND = {"sdxl-inpaint": 0.25, "flux-fill": 0.5}
+COLOUR_BOUND = {"sdxl-inpaint": 0.5, "flux-fill": 0.25}
 
 
 class ShiftedStore(InMemoryStore):
