@@ -56,8 +56,7 @@ def score(clf: classifier.RegionClassifier, case_list: list[evaluate.Case],
             for c, im in zip(case_list, images, strict=True)]  # fmt: skip
 
     def acc(sel: list, which: int) -> dict:
-        return {t: round(float(np.mean([r[which][t] for r in sel])), 4)
-                for t in ("colour", "pattern", "both")}  # fmt: skip
+        return evaluate.accuracy([r[which] for r in sel])
 
     by_kind = {}
     for k in sorted({r[0] for r in rows}):

@@ -113,6 +113,12 @@ def adherence(clf: classifier.RegionClassifier, image: Image.Image | np.ndarray,
     return {**hit, "both": hit["colour"] and hit["pattern"]}
 
 
+def accuracy(hits: list[dict[str, bool]]) -> dict[str, float]:
+    """Share of `hits` (adherence's dicts) read as asked: colour, pattern, both."""
+    targets = ("colour", "pattern", "both")
+    return {t: round(float(np.mean([h[t] for h in hits])), 4) for t in targets}
+
+
 def vae_round_trip(vae, image: np.ndarray) -> np.ndarray:  # noqa: ANN001
     """`image` (S, S, 3) uint8 encoded by `vae` (its posterior mean) and decoded: what the
     model's VAE can render at best (the ceiling of any edit's colours), uint8."""
