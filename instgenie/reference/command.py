@@ -57,6 +57,13 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("instgenie.reference").setLevel(logging.INFO)
     from instgenie.reference import pool as pool_mod
 
+    if args.decoder_steps and not args.init:
+        msg = (
+            "train-reference: --decoder-steps fine-tunes a trained model's decoder: give "
+            "--init DIR (a new model trains its whole VAE with --vae-steps)"
+        )
+        print(msg, file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     if args.pool is not None and args.pool.exists():
         pool = pool_mod.load(args.pool)

@@ -23,7 +23,9 @@ and multi-resolution noise, decision 0045): a noise-prediction model trained on 
 noise learns to read a region's colour from the faint signal the noisiest timesteps leave
 (SDXL's schedule keeps sqrt(alpha_bar) = 0.068 at t = 999), and at inference, where sampling
 starts from pure noise, it reads the noise's own regional means as colour. Sampling is
-unchanged: the pipelines still start from white noise.
+unchanged: the pipelines still start from white noise. Measured on the reference models: no
+gain in held-out colour accuracy in ~1,000 steps; the shipped weights train on white noise (the
+default), the cap was their VAE (decision 0045).
 """
 
 from __future__ import annotations

@@ -252,3 +252,15 @@ def test_a_decoder_fine_tune_changes_the_decoder_alone(tmp_path: Path) -> None:
     assert all(torch.equal(unet_before[k], unet_after[k]) for k in unet_before)
     config = lambda d: json.loads((d / "vae" / "config.json").read_text())  # noqa: E731
     assert config(out)["scaling_factor"] == config(src)["scaling_factor"]
+
+
+def test_a_decoder_fine_tune_without_a_trained_model_is_a_usage_error(
+    tmp_path: Path, capsys
+) -> None:
+    """--decoder-steps needs --init: refused before any pool is rendered."""
+    pool, out = tmp_path / "p.npz", tmp_path / "o"
+    rc = main(["train-reference", "--family", "sdxl-inpaint", "--out", str(out), "--pool",
+               str(pool), "--decoder-steps", "5", "--device", "cpu"])  # fmt: skip
+    assert rc == 2
+    assert "--init" in capsys.readouterr().err
+    assert not pool.exists() and not out.exists()
