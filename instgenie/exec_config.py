@@ -72,6 +72,11 @@ class ExecConfig:
     #: PNG outputs' zlib effort: "fast" (level 1, run-length matching) | "default" (Pillow's
     #: level 6) | "small" (9); lossless, only the bytes and the encode time differ (decision 0040)
     png_compression: str = _switch("fast", "INSTGENIE_PNG_COMPRESSION", PNG_COMPRESSION)
+    #: VAE-decode only the crop around a masked edit's mask (engine/cropped_decode.py) when it
+    #: read a template cache and is pasted back, and its decoder statistics stay within the
+    #: template's: "auto" (where the crop is at most 0.6 of the latent map) | "on" (any crop
+    #: size, the whole map included) | "off" (always the whole image) (decision 0044)
+    cropped_decode: str = _switch("auto", "INSTGENIE_CROPPED_DECODE", KERNEL_MODES)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

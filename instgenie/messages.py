@@ -144,6 +144,7 @@ class StateMeta(Nested):  # the non-tensor part of a RequestState (worker.state_
     notes: RequestNotes
     size: tuple[int, int] | None = None  # RequestState.size: (height, width), pixels
     decoded_mode: str | None = None  # PIL mode of the "decoded" tensor, when the loop decoded
+    cache_key: str | None = None  # RequestState.cache_key: the template cache it read (masked)
 
 
 # ---- client -> worker (client fills every field; types are checked here, values by pre) -------

@@ -43,7 +43,7 @@ NOTES = m.RequestNotes(
 )
 STATE_META = m.StateMeta(
     uid="u1", request=PARAMS, guidance_scale=7.5, num_rows=2, step_index=20, path=m.Path.MASKED,
-    image_mode="RGB", notes=NOTES, size=(512, 768), decoded_mode="RGB",
+    image_mode="RGB", notes=NOTES, size=(512, 768), decoded_mode="RGB", cache_key="ab" * 32,
 )
 INPUTS_META = m.InputsMeta(
     uid="capture:0123456789abcdef", request=m.EditParams(uid="capture:0123", prompt="", seed=0),

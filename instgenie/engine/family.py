@@ -98,6 +98,8 @@ class ModelFamily(Protocol):
     prompts: Any
     #: text towers replayed from CUDA graphs, by pipeline attribute (engine/encoder_graphs.py)
     text_graphs: dict[str, Any]
+    #: its VAE decode with the cropped path (engine/cropped_decode.py), or None without a VAE
+    cropped: Any
 
     def encode_texts(self, prompt: str, negative_prompt: str | None, do_cfg: bool) -> tuple:
         """The text towers' outputs for one prompt (the prompt cache's entry), not cached."""

@@ -431,6 +431,14 @@ class EditPipeline:
                 state.notes = replace(state.notes, capture_no_room=state.writer.no_room)
             state.writer = None
         if state.cache_handle is not None:
+            cropped = self.family.cropped
+            if state.is_done and state.request.paste_back and cropped and cropped.is_on:
+                # the template's final latents, for the cropped VAE decode: copied, the
+                # handle's views die with it (a host tier's segment, a device window)
+                final = state.cache_handle.latents(state.num_steps - 1)
+                state.template_latents = final.to(
+                    state.latents.device, state.latents.dtype, copy=True
+                )
             state.cache_handle.close()
             state.cache_handle = None
 

@@ -97,6 +97,10 @@ class RequestState:
     token_index: dict[int, torch.Tensor] | None = None
     #: bool, broadcastable to `latents`: True where the latents are edited (computed)
     edit_mask: torch.Tensor | None = None
+    #: the template's final latents (its cache's `latents(num_steps - 1)`), layout and dtype of
+    #: `latents`; captured when the cache handle closes after the last step, for the cropped
+    #: VAE decode (engine/cropped_decode.py); it travels with the state (worker.state_wire)
+    template_latents: torch.Tensor | None = None
     #: capture sink: this (full) run records its block outputs and latents
     writer: CacheWriter | None = None
     #: its LoRAs (lora/gate.py): adapters loaded, steps run without them; None = it names none

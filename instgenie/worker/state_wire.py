@@ -23,6 +23,8 @@ from instgenie.messages import EditParams, InputsMeta, RequestNotes, StateMeta
 
 #: tensors a finished request needs in post-processing (cond is dropped after the last step)
 _POST_SKIP = ("cond.",)
+#: tensors `from_parts` moves to the model's device
+_DEVICE = ("latents", "latent_mask", "template_latents")
 _PARAMS = [f.name for f in dataclasses.fields(EditParams)]  # = EditRequest's, less image, mask
 
 
@@ -85,6 +87,7 @@ def to_parts(
         "timesteps": state.timesteps,
         "sigmas": state.sigmas,
         "latent_mask": state.latent_mask,
+        "template_latents": state.template_latents,  # None (dropped below) unless captured
         "image": _img(state.image),
         "mask": _img(state.mask),
     }
@@ -108,6 +111,7 @@ def to_parts(
         notes=state.notes,
         size=state.size,
         decoded_mode=None if decoded is None else decoded.mode,
+        cache_key=state.cache_key,
     )
     return cpu, meta
 
@@ -116,7 +120,7 @@ def from_parts(
     tensors: dict[str, torch.Tensor], meta: StateMeta, device: torch.device
 ) -> RequestState:
     """Rebuild a state; denoising tensors go to `device`, tables and images stay on the CPU."""
-    dev = {k: v.to(device) for k, v in tensors.items() if k in ("latents", "latent_mask")}
+    dev = {k: v.to(device) for k, v in tensors.items() if k in _DEVICE}
     state = RequestState(
         uid=meta.uid,
         request=_request(meta.request),
@@ -140,6 +144,8 @@ def from_parts(
             k.removeprefix("ids."): v.to(device) for k, v in tensors.items() if k.startswith("ids.")
         },
         path=meta.path,
+        cache_key=meta.cache_key,
+        template_latents=dev.get("template_latents"),
     )
     if state.request.loras:  # text LoRAs were applied where it was encoded; backbone ones load here
         state.lora = LoraUse(state.request.loras)

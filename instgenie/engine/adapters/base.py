@@ -18,6 +18,7 @@ from PIL import Image
 
 from instgenie.config import EXEC_DEFAULTS, ExecConfig, ModelConfig
 from instgenie.engine.build import build_seeded
+from instgenie.engine.cropped_decode import CroppedDecoder
 from instgenie.engine.encoder_graphs import graph_text_encoders
 from instgenie.engine.family import ModelSpec
 from instgenie.engine.fused_conv import fuse_conv_bias
@@ -123,6 +124,15 @@ class AdapterBase:
         fuse_geglu(self.backbone, execution.fused_geglu)
         #: hooks every transformer block; inert unless a step needs masked execution or capture
         self.masked = MaskedExecutor(self.backbone, device, execution)
+        #: decode with the cropped path for pasted-back masked edits (engine/cropped_decode.py);
+        #: its LRU of templates' decoder statistics lives in the process that decodes
+        self.cropped = (
+            None
+            if self.vae is None
+            else CroppedDecoder(
+                self.vae, execution.cropped_decode, self.to_pil, pipe.vae_scale_factor
+            )
+        )
 
     def encode_texts(self, prompt: str, negative_prompt: str | None, do_cfg: bool) -> tuple:
         """The text towers' outputs for one prompt (the prompt cache's entry), not cached."""

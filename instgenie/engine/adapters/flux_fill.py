@@ -275,13 +275,18 @@ class FluxFill(AdapterBase):
         return masks[L].reshape(1, L, 1).to(self.device)
 
     def decode(self, batch: list[RequestState]) -> list[Image.Image]:
+        """Working-resolution images; a pasted-back edit of a cached template may decode only
+        its mask's crop (engine/cropped_decode.py). A batch shares one size (its batch_key)."""
         assert batch[0].size is not None  # set by prepare
         height, width = batch[0].size
-        latents = torch.cat([s.latents for s in batch])
-        latents = self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
-        latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return self.to_pil(image)
+
+        def decoder_input(latents: torch.Tensor) -> torch.Tensor:
+            vsf = self.pipe.vae_scale_factor
+            latents = self.pipe._unpack_latents(latents, height, width, vsf)
+            latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
+            return latents.to(self.vae.dtype)
+
+        return self.cropped.decode(batch, decoder_input)
 
 
 def _noise_only(sched: Any, dtype: torch.dtype) -> bool:

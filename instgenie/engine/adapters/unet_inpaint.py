@@ -237,9 +237,12 @@ class UNetInpaintAdapter(AdapterBase):
 
     # ---- post-process ------------------------------------------------------------------------
     def decode(self, batch: list[RequestState]) -> list[Image.Image]:
-        latents = torch.cat([s.latents for s in batch])
-        latents = self.unscale_latents(latents).to(self.vae.dtype)
-        return self.to_pil(self.vae.decode(latents, return_dict=False)[0])
+        """Working-resolution images; a pasted-back edit of a cached template may decode only
+        its mask's crop (engine/cropped_decode.py)."""
+        return self.cropped.decode(batch, self._decoder_input)
+
+    def _decoder_input(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.unscale_latents(latents).to(self.vae.dtype)
 
     def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return latents / self.vae.config.scaling_factor
