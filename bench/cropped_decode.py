@@ -11,6 +11,8 @@ rectangle touching the left and bottom borders. PSNR over the mask's pixels, flo
 statistics (crop_forward.decode_suffix_crop), whatever the guard would decide.
 
     python bench/cropped_decode.py --out docs/benchmarks/data/cropped-decode.json
+    python bench/cropped_decode.py --device cuda --quality-models --cost-models \
+        sdxl-inpaint:full@1024 flux-fill:full@1024 --out $OUT/cropped-decode-gpu.json
 """
 
 from __future__ import annotations
@@ -113,37 +115,44 @@ def quality(model: str, cases: int, steps: int) -> list[dict]:
     return rows
 
 
-def _median_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
+def _median_ms(fn, repeat: int, device: torch.device) -> float:
+    """Median wall ms of fn() (synchronised on CUDA) after one warm-up call."""
+
+    def timed() -> float:
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * sorted(times)[repeat // 2]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    timed()
+    return 1e3 * sorted(timed() for _ in range(repeat))[repeat // 2]
 
 
-def costs(model: str, side: int, repeat: int) -> dict:
-    pipe = EditPipeline.load(model)
+def costs(model: str, side: int, repeat: int, device: str = "cpu") -> dict:
+    pipe = EditPipeline.load(model, device=device)
+    dev = pipe.family.device
     vae, scale = pipe.family.vae, pipe.family.pipe.vae_scale_factor
     h = side // scale
     gen = torch.Generator().manual_seed(0)
-    z = torch.randn(1, vae.config.latent_channels, h, h, generator=gen).to(vae.dtype)
-    image = (torch.rand(1, 3, side, side, generator=gen) * 2 - 1).to(vae.dtype)
+    z = torch.randn(1, vae.config.latent_channels, h, h, generator=gen).to(dev, vae.dtype)
+    image = (torch.rand(1, 3, side, side, generator=gen) * 2 - 1).to(dev, vae.dtype)
+
+    def ms(fn) -> float:
+        return _median_ms(fn, repeat, dev)
+
     with torch.inference_mode():
         _, state = cf.record_decode(vae, z)
         x, _ = cf.decode_prefix(vae, z)
-        row = {"model": model, "side": side, "dtype": str(vae.dtype),
-               "encode_ms": _median_ms(lambda: vae.encode(image), repeat),
-               "decode_ms": _median_ms(lambda: vae.decode(z), repeat),
-               "prefix_ms": _median_ms(lambda: cf.decode_prefix(vae, z), repeat),
-               "suffix_whole_ms": _median_ms(
-                   lambda: cf.decode_suffix_whole(vae, x), repeat)}  # fmt: skip
+        row = {"model": model, "side": side, "dtype": str(vae.dtype), "device": str(dev),
+               "encode_ms": ms(lambda: vae.encode(image)),
+               "decode_ms": ms(lambda: vae.decode(z)),
+               "prefix_ms": ms(lambda: cf.decode_prefix(vae, z)),
+               "suffix_whole_ms": ms(lambda: cf.decode_suffix_whole(vae, x))}  # fmt: skip
         for f in (0.1, 0.25, 0.5, 0.75, 1.0):
             s = max(1, round(h * f**0.5))
             box = cf.Box(0, s, 0, s, h, h)
-            ms = _median_ms(lambda b=box: cf.decode_suffix_crop(vae, x, b, state), repeat)
-            row[f"suffix_crop_{f}_ms"] = ms
+            row[f"suffix_crop_{f}_ms"] = ms(lambda b=box: cf.decode_suffix_crop(vae, x, b, state))
     row = {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
     print(json.dumps(row), flush=True)
     return row
@@ -156,16 +165,36 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="where the cost rows run (quality: CPU)")
+    p.add_argument(
+        "--quality-models",
+        nargs="*",
+        default=None,
+        help="models of the quality rows (default: --models; none: skip them)",
+    )
+    p.add_argument(
+        "--cost-models",
+        nargs="+",
+        default=None,
+        metavar="MODEL@SIDE",
+        help="cost rows (default: --models at 256 px, sdxl tiny@128 and ref@512)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     out = {"host": platform.processor() or platform.machine(), "threads": args.threads,
            "torch": torch.__version__, "steps": args.steps, "quality": [], "costs": []}  # fmt: skip
-    for model in args.models:
-        out["costs"].append(costs(model, 256, args.repeat))
-    for model, side in (("sdxl-inpaint:tiny", 128), ("sdxl-inpaint:ref", 512)):
-        out["costs"].append(costs(model, side, args.repeat))
-    for model in args.models:
+    if args.device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name()
+    cost_rows = args.cost_models or [
+        *(f"{m}@256" for m in args.models),
+        "sdxl-inpaint:tiny@128",
+        "sdxl-inpaint:ref@512",
+    ]
+    for spec in cost_rows:
+        model, side = spec.rsplit("@", 1)
+        out["costs"].append(costs(model, int(side), args.repeat, args.device))
+    for model in args.models if args.quality_models is None else args.quality_models:
         out["quality"] += quality(model, args.cases, args.steps)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
