@@ -70,14 +70,20 @@ def fused_modules(pipe: EditPipeline) -> list:
 
 @contextlib.contextmanager
 def stock_ops(pipe: EditPipeline):
-    """Stock diffusers execution: eager, torch's GroupNorm/SiLU, GEGLU and conv-bias ops (every
-    switch in FUSED off), NCHW weights (diffusers' default layout; the engine's UNets are
+    """Stock diffusers execution: eager (text towers included), torch's GroupNorm/SiLU, GEGLU and
+    conv-bias ops (every switch in FUSED off), NCHW weights (diffusers' default layout; the engine's UNets are
     channels_last on CUDA). Graphs are cleared on exit (graphs_mode), so none keeps pointers to
     the NCHW copies of the convolution weights."""
     swapped = fused_modules(pipe)
     saved = [m.mode for m in swapped]
     for m in swapped:
         m.mode = "off"
+    # the text towers run their own forward too (their graphs' static inputs are inference
+    # tensors: diffusers' __call__ runs under no_grad, and a replay would copy into them)
+    text_graphs = [g.graphs for g in pipe.family.text_graphs.values()]
+    text_saved = [g.mode for g in text_graphs]
+    for g in text_graphs:
+        g.mode = "off"
     backbone = pipe.family.backbone
     cl = torch.channels_last
     nhwc = any(
@@ -94,6 +100,8 @@ def stock_ops(pipe: EditPipeline):
             backbone.to(memory_format=torch.channels_last)
         for m, mode in zip(swapped, saved, strict=True):
             m.mode = mode
+        for g, mode in zip(text_graphs, text_saved, strict=True):
+            g.mode = mode
 
 
 def fused_kernels_active(pipe: EditPipeline, with_vae: bool = False) -> bool:

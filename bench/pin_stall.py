@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from instgenie.cache.hostmem import pin, unpin  # noqa: E402
 from instgenie.cache.layout import as_uint8  # noqa: E402
-from instgenie.cache.shm_segment import open_shm, unlink_shm  # noqa: E402
+from instgenie.cache.shm_segment import close_shm, open_shm, unlink_shm  # noqa: E402
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -112,7 +112,7 @@ def fresh_segment(tag: str, nbytes: int):
         yield t
     finally:
         del t
-        shm.close()
+        close_shm(shm)  # the caller's view may live on: the mapping lingers until it is gone
         unlink_shm(name)
 
 
