@@ -71,9 +71,9 @@ def fused_modules(pipe: EditPipeline) -> list:
 @contextlib.contextmanager
 def stock_ops(pipe: EditPipeline):
     """Stock diffusers execution: eager (text towers included), torch's GroupNorm/SiLU, GEGLU and
-    conv-bias ops (every switch in FUSED off), NCHW weights (diffusers' default layout; the engine's UNets are
-    channels_last on CUDA). Graphs are cleared on exit (graphs_mode), so none keeps pointers to
-    the NCHW copies of the convolution weights."""
+    conv-bias ops (every switch in FUSED off), NCHW weights (diffusers' default layout; the
+    engine's UNets are channels_last on CUDA). Graphs are cleared on exit (graphs_mode), so
+    none keeps pointers to the NCHW copies of the convolution weights."""
     swapped = fused_modules(pipe)
     saved = [m.mode for m in swapped]
     for m in swapped:
