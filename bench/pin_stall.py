@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import mmap
 import os
@@ -31,12 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from instgenie.cache import hostmem  # noqa: E402
 from instgenie.cache.hostmem import pin, unpin  # noqa: E402
 from instgenie.cache.layout import as_uint8  # noqa: E402
 from instgenie.cache.shm_segment import close_shm, open_shm, unlink_shm  # noqa: E402
-
-MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 def segment(name: str, nbytes: int):
@@ -49,12 +46,8 @@ def segment(name: str, nbytes: int):
 
 def populate(t: torch.Tensor) -> None:
     """Fault every page of `t` in, writable, without writing it (no CUDA call)."""
-    addr, n = t.data_ptr(), t.numel()
-    start = addr & ~(mmap.PAGESIZE - 1)
-    rc = _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(n + addr - start),
-                       MADV_POPULATE_WRITE)  # fmt: skip
-    if rc != 0:
-        raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+    if not hostmem.populate(t.data_ptr(), t.numel()):
+        raise OSError("this kernel has no MADV_POPULATE_WRITE")
 
 
 def timed(fn) -> float:

@@ -204,6 +204,12 @@ class WorkerConfig:
     #: -1 = auto: 80% of the device's free memory once the model is loaded, less 4 GiB + 10% of
     #: its total (graph pools, activations), and 0 on a CPU device; 0 = off
     cache_gpu_bytes: int = -1
+    #: how a capture's block outputs reach its host DRAM segment (cache/host_store.py): "auto" =
+    #: "staged" on CUDA machines (async DMA into pinned staging slots, host threads back and
+    #: fill the segment, pinned at commit: no page registration stalls the loop, decision
+    #: 0046), else "direct"; "pinned" registers the fresh segment first (decision 0036: a stall
+    #: of ≈ 0.34-0.8 s per GiB at the capture's first step); "direct": synchronous copies
+    cache_capture_copies: str = "auto"
     #: fitted latency profile (JSON, `instgenie profile`) for the per-step load planner; ""
     #: = no planner (every cached block is loaded)
     profile: str = ""
@@ -225,6 +231,9 @@ class WorkerConfig:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
+        if self.cache_capture_copies not in CAPTURE_COPIES:
+            raise ValueError(f"cache_capture_copies: {self.cache_capture_copies!r} is not one of "
+                             f"{', '.join(CAPTURE_COPIES)}")  # fmt: skip
         if not self.cache_gpu_bytes >= -1:
             raise ValueError(f"cache_gpu_bytes: must be >= -1 (auto), got {self.cache_gpu_bytes}")
         for name in ("cache_dram_bytes", "cache_disk_bytes"):
@@ -238,6 +247,8 @@ class WorkerConfig:
             )
 
 
+#: WorkerConfig.cache_capture_copies values
+CAPTURE_COPIES = ("auto", "staged", "pinned", "direct")
 #: WorkerConfig fields that are counts or capacities: a value below 1 cannot work
 _AT_LEAST_ONE = (
     "max_batch",

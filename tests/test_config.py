@@ -38,6 +38,7 @@ BAD_WORKER_VALUES = [
     ("cache_gpu_bytes", -2),
     # choices
     ("model_stages", "gpu"),
+    ("cache_capture_copies", "async"),
     # a timeout no longer than the heartbeat interval kills healthy children
     ("heartbeat_timeout_s", 0.5),
 ]

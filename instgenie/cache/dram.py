@@ -224,10 +224,13 @@ class DramTier:
         with self.txn() as t:
             return t.idx.state(check_key(key), "dram")
 
-    def create(self, key: str, layout: TemplateLayout, fresh: bool = True) -> Segment:
+    def create(
+        self, key: str, layout: TemplateLayout, fresh: bool = True, back_data: bool = True
+    ) -> Segment:
         """Reserve capacity (evicting/demoting LRU unused entries; CacheFull when impossible) and
         create the segment, state building. Finish with commit() or abort(). ValueError when the
-        key is already in DRAM (or, if fresh, anywhere: a capture must not shadow a disk copy)."""
+        key is already in DRAM (or, if fresh, anywhere: a capture must not shadow a disk copy).
+        back_data=False: the data's pages are left unbacked for the writer (Segment.back)."""
         check_key(key)
         with self.txn() as t:
             if fresh and t.idx.get(key, "disk") is not None:
@@ -239,7 +242,7 @@ class DramTier:
                 t.idx.abort(key, "dram")
                 raise
         try:
-            seg.allocate()  # outside the host lock: backing tens of GB takes a while
+            seg.allocate(back_data)  # outside the host lock: backing tens of GB takes a while
         except OSError as e:
             self.abort(seg)
             raise CacheFull(f"/dev/shm cannot hold {layout.nbytes} bytes: {e}") from e

@@ -60,6 +60,11 @@ class HostActivationStore:
         self._pin_lock = threading.Lock()
         #: register DRAM mappings as pinned memory (CUDA machines); benchmarks turn it off
         self.pin_memory = torch.cuda.is_available()
+        #: how a capture's blocks reach its DRAM segment: "staged" (CUDA machines: async DMA into
+        #: pinned slots, pages backed and written by host threads, registered at commit;
+        #: capture_stage.py, decision 0046), "pinned" (the segment registered first, DMA into
+        #: it: decision 0036), "direct" (elsewhere: synchronous copies)
+        self.capture_copies = "staged" if self.pin_memory else "direct"
         tiered.dram.on_unmap = _unpin_segment
 
     # ---- status / meta ---------------------------------------------------------------------
@@ -241,8 +246,21 @@ class _StreamingWriter:
         )
 
     def _put(self, step: int, block_id: int, y: torch.Tensor) -> None:
+        if self.no_room:  # gave up on an earlier block
+            return
         value = quantize_rows(y) if self.store.dtype == FP8 else y
-        self._writer.put_block(step, block_id, value)
+        try:
+            self._writer.put_block(step, block_id, value)
+        except OSError as exc:  # a staged copy could not back its pages (/dev/shm full)
+            self._give_up(exc)
+
+    def _give_up(self, exc: BaseException) -> None:
+        """The segment cannot be written: record nothing more; the capture run goes on and its
+        template is reported as having found no room (retryable), like a CacheFull at start."""
+        log.warning("capture %s: its DRAM segment cannot be written (%s); recording nothing",
+                    self.key[:12], exc)  # fmt: skip
+        self.no_room = f"DRAM segment: {exc}"
+        self._writer.abort()
 
     def put_block(self, step: int, block_id: int, y: torch.Tensor) -> None:
         if self.lost or self.no_room:
@@ -260,8 +278,9 @@ class _StreamingWriter:
             return
         if self._writer is None:
             layout = self._layout(latents)
+            copies = self.store.capture_copies
             try:
-                self._writer = self.store.tiered.writer(self.key, layout)
+                self._writer = self.store.tiered.writer(self.key, layout, staged=copies == "staged")
             except ValueError:  # building or ready in some tier: another process was first
                 self.lost = True
                 self._pending.clear()
@@ -270,14 +289,20 @@ class _StreamingWriter:
                 self.no_room = str(exc)
                 self._pending.clear()
                 return
-            if self.store.pin_memory and latents.is_cuda and hasattr(self._writer, "pin"):
+            pinned = copies == "pinned" and self.store.pin_memory and latents.is_cuda
+            if pinned and hasattr(self._writer, "pin"):
                 self._writer.pin()  # DRAM segment: async DMA for every block from here on
             for b in sorted(self._pending):
                 self._put(0, b, self._pending[b])
             self._pending.clear()
             self.meta.cache_dtype = layout.dtype
             self.meta.nbytes = layout.nbytes
-        self._writer.put_latents(step, latents)
+            if self.no_room:
+                return
+        try:
+            self._writer.put_latents(step, latents)
+        except OSError as exc:
+            self._give_up(exc)
 
     def commit(self) -> None:
         if self.lost or self.no_room:
@@ -288,6 +313,9 @@ class _StreamingWriter:
         self.store._save_meta(self.key, self.meta)
         try:
             self._writer.commit()
+        except (CacheFull, OSError) as exc:  # staged pages could not be backed: aborted
+            self.store._drop_meta(self.key)
+            self.no_room = f"DRAM segment: {exc}"
         except BaseException:
             self.store._drop_meta(self.key)
             raise

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from instgenie.cache.capture_stage import CaptureStager, StageTicket
 from instgenie.cache.dram import DramTier
 from instgenie.cache.hostmem import pin, unpin
 from instgenie.cache.shm_segment import Segment
@@ -24,14 +25,20 @@ log = logging.getLogger(__name__)
 class TemplateWriter:
     """Fills one DRAM segment; nothing is visible to readers before commit().
 
-    A capture from a GPU pins the segment first (`pin`): each block's rows are then DMA'd
-    asynchronously on the compute stream (≈ 50 GB/s on PCIe 5) instead of through the driver's
-    pageable bounce buffer with a host sync per block (≈ 1 GB/s measured for an SDXL step's
-    419 MB into /dev/shm, docs/benchmarks/cluster-h200.md). Commit and abort wait for those
-    copies; a committed, pinned mapping becomes this process's mapping of the ready entry, so its
-    readers do not pin it again."""
+    A capture from a GPU copies each block asynchronously, never through the driver's pageable
+    bounce buffer with a host sync per block (≈ 1 GB/s measured for an SDXL step's 419 MB into
+    /dev/shm, docs/benchmarks/cluster-h200.md). Staged (a `stager`, decision 0046, the serving
+    default): DMA into a pinned staging slot, and the stager's threads back the segment's pages
+    and copy them in, off the loop; at commit, once every copy landed, the segment's pages
+    (faulted in by those copies) are registered as pinned. Pinned (`pin`, decision 0036): the
+    whole fresh segment is registered first and each block is DMA'd straight into it; the
+    registration faults every page in under the CUDA driver's lock, a stall of seconds for
+    the loop. Commit and abort wait for the copies; a committed, pinned mapping becomes this
+    process's mapping of the ready entry, so its readers do not pin it again."""
 
-    def __init__(self, store: TieredStore, seg: Segment) -> None:
+    def __init__(
+        self, store: TieredStore, seg: Segment, stager: CaptureStager | None = None
+    ) -> None:
         self.store, self.seg, self.layout = store, seg, seg.layout
         self.key = seg.key
         self._blocks: set[tuple[int, int]] = set()
@@ -41,11 +48,15 @@ class TemplateWriter:
         self.pinned = False
         #: devices with async copies into the segment not yet waited for
         self._pending: set[torch.device] = set()
+        #: copies go through this stager (whose threads also back the segment's data pages)
+        self.stager = stager
+        self._ticket = StageTicket()
 
     def pin(self) -> bool:
         """Register the segment's pages as pinned (CUDA machines; False elsewhere). Once per
-        capture, before its first block: about 0.1 s per GB (every page is faulted in and
-        locked), against the ≈ 0.4 s per SDXL step a pageable copy costs."""
+        capture: unstaged, before its first block (a fresh segment: ≈ 0.34 s per GiB on the H200
+        host, every page faulted in under the driver's lock), against the ≈ 0.4 s per SDXL step
+        a pageable copy costs; staged, at commit (pages faulted in: ≈ 0.04 s per GiB)."""
         if not self.pinned and not self._done and self.seg.data is not None:
             try:
                 self.pinned = pin(self.seg.data)
@@ -59,6 +70,9 @@ class TemplateWriter:
             raise RuntimeError("writer already committed or aborted")
         if tuple(t.shape) != tuple(view.shape):
             raise ValueError(f"{what}: shape {tuple(t.shape)} != layout's {tuple(view.shape)}")
+        if self.stager is not None:
+            self.stager.copy(self._ticket, view, t, self.seg.back)
+            return
         # casts to the cache dtype; reads from any device; async only into pinned pages (a
         # stream-ordered DMA: the source's memory is reused only by later work on its stream)
         asynchronous = self.pinned and t.is_cuda
@@ -67,7 +81,10 @@ class TemplateWriter:
             self._pending.add(t.device)
 
     def _wait(self) -> None:
-        """Wait for every async copy into the segment (before it is published or unmapped)."""
+        """Wait for every async copy into the segment (before it is published or unmapped);
+        raises a staged copy's error."""
+        if self.stager is not None:
+            self.stager.drain(self._ticket)
         for device in self._pending:
             torch.cuda.synchronize(device)
         self._pending.clear()
@@ -100,7 +117,13 @@ class TemplateWriter:
                 f"incomplete capture: {len(self._blocks)}/{n_blocks} block outputs, "
                 f"{len(self._latents)}/{self.layout.num_steps} latents"
             )
-        self._wait()
+        try:
+            self._wait()
+            if self.stager is not None:
+                self._finish_staged()
+        except BaseException:
+            self.abort()
+            raise
         self._done = True
         if not self.pinned:
             self.store.dram.commit(self.seg)
@@ -119,11 +142,22 @@ class TemplateWriter:
             raise
         self.store.dram.release(self.seg)
 
+    def _finish_staged(self) -> None:
+        """After every staged copy landed, register the segment's pages for readers (DMA and
+        graph reads in place) on CUDA machines: the copies backed and faulted in every page
+        (the layout's gaps are under ALIGN = 256 bytes, so no page lies wholly in one), so the
+        registration only locks them (≈ 0.04 s per GiB on the H200 host against ≈ 0.34 s for a
+        fresh segment: docs/benchmarks/pin-stall-h200.md)."""
+        if torch.cuda.is_available():
+            self.pin()
+
     def abort(self) -> None:
         if not self._done:
             self._done = True
             try:
                 self._wait()
+            except BaseException as exc:  # a failed staged copy: nothing of it is kept anyway
+                log.info("capture %s aborted after a failed copy: %s", self.key[:12], exc)
             finally:
                 if self.pinned and self.seg.data is not None:
                     unpin(self.seg.data)

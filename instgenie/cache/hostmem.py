@@ -3,6 +3,9 @@ page pinning of host memory for DMA."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
 from pathlib import Path
 
@@ -41,6 +44,30 @@ def owner_alive(owner: str) -> bool:
     if st is None:
         return True
     return st[0] not in ("Z", "X") and (start == "0" or st[1] == start)
+
+
+# ---- page population ----------------------------------------------------------------------------
+#: madvise advice: fault pages in writable, allocating them (Linux 5.14+)
+MADV_POPULATE_WRITE = 23
+_PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def populate(addr: int, nbytes: int) -> bool:
+    """Fault the pages under host bytes [addr, addr + nbytes) into this process, writable,
+    allocating a shared-memory file's missing pages, without writing them and without any CUDA
+    call (so it never holds the driver's lock: bench/pin_stall.py). Where a page cannot be
+    allocated (a full /dev/shm) it raises OSError instead of the SIGBUS a write would get.
+    Returns False where the kernel lacks the advice (before 5.14: nothing was done)."""
+    start = addr // _PAGE * _PAGE
+    length = -(-(addr + nbytes - start) // _PAGE) * _PAGE
+    if _libc.madvise(start, length, MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:
+        return False
+    raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {length} bytes: {os.strerror(err)}")
 
 
 # ---- pinning ------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from instgenie.cache.hostmem import populate
 from instgenie.cache.layout import TemplateLayout, align_up, as_uint8
 from instgenie.cache.misses import CacheMiss, check_key
 
@@ -107,6 +108,8 @@ class Segment:
         if hdr is None:
             _, _, hdr, _ = SEG_HEADER.unpack_from(shm.buf)
         self.data: torch.Tensor | None = as_uint8(shm.buf)[hdr : hdr + layout.nbytes]
+        #: the mapping's first byte (host address)
+        self._base = self.data.data_ptr() - hdr
         #: identity of the shared-memory object this mapping shows (a name can be reused)
         self.inode = os.fstat(shm._fd).st_ino  # type: ignore[attr-defined]
         #: open handles of this process on this mapping (DramTier.attach / release)
@@ -162,13 +165,28 @@ class Segment:
             raise CacheMiss(f"{key[:12]}: {e}") from None
         return cls(shm, key, layout)
 
-    def allocate(self) -> None:
+    def allocate(self, back_data: bool = True) -> None:
         """Back every page, then write the header (not ready yet): on a full /dev/shm this
-        raises OSError(ENOSPC) before any page is written, instead of a SIGBUS."""
-        os.posix_fallocate(self.shm._fd, 0, self.shm.size)  # type: ignore[attr-defined]
+        raises OSError(ENOSPC) before any page is written, instead of a SIGBUS. back_data=False
+        backs the header's pages only: whoever writes the data backs each range first (`back`;
+        a capture's staging threads, off the loop: capture_stage.py)."""
         meta, hdr = self._meta(self.key, self.layout)
+        size = self.shm.size if back_data else hdr
+        os.posix_fallocate(self.shm._fd, 0, size)  # type: ignore[attr-defined]
         SEG_HEADER.pack_into(self.shm.buf, 0, SEG_MAGIC, 0, hdr, len(meta))
         self.shm.buf[SEG_HEADER.size : SEG_HEADER.size + len(meta)] = meta
+
+    def back(self, ptr: int, nbytes: int) -> None:
+        """Back the pages under this mapping's bytes [ptr, ptr + nbytes) (host addresses), so
+        that writing them cannot SIGBUS: OSError instead (a full /dev/shm). Pages are allocated
+        and faulted in by madvise (threads run it in parallel; fallocate holds the file's lock),
+        or by fallocate on kernels without MADV_POPULATE_WRITE. Backed pages stay as they are."""
+        lo = (ptr - self._base) // PAGE * PAGE
+        hi = min(align_up(ptr - self._base + nbytes, PAGE), self.shm.size)
+        if lo < 0 or hi <= lo:
+            raise ValueError(f"bytes [{ptr:#x}, +{nbytes}) are not in this mapping")
+        if not populate(self._base + lo, hi - lo):
+            os.posix_fallocate(self.shm._fd, lo, hi - lo)  # type: ignore[attr-defined]
 
     def set_ready(self) -> None:
         struct.pack_into("<Q", self.shm.buf, 8, 1)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from instgenie.cache import capture_stage
 from instgenie.cache.disk import DEFAULT_CHUNK_BYTES, CacheMiss, DiskBusy, DiskTier, check_key
 from instgenie.cache.disk_stream import DEFAULT_RING, DiskTemplateWriter, StreamedTemplate
 from instgenie.cache.dram import DramTier
@@ -155,13 +156,18 @@ class TieredStore:
         return out
 
     # ---- write -----------------------------------------------------------------------------------
-    def writer(self, key: str, layout: TemplateLayout) -> TemplateWriter | DiskTemplateWriter:
+    def writer(
+        self, key: str, layout: TemplateLayout, staged: bool = False
+    ) -> TemplateWriter | DiskTemplateWriter:
         """A writer into a new DRAM segment, or, when DRAM cannot hold the template whole (larger
         than the tier, the tier off, or full of entries in use), straight into a disk entry.
-        ValueError if the key exists in any tier; CacheFull if neither tier can take it."""
+        ValueError if the key exists in any tier; CacheFull if neither tier can take it.
+        staged: a DRAM writer copies through this process's capture stager (capture_stage.py),
+        the segment's data pages backed by its threads, not here."""
         self._maybe_recover_disk(self.disk.file_nbytes(layout))  # demotions may need it
         try:
-            return TemplateWriter(self, self.dram.create(check_key(key), layout, fresh=True))
+            seg = self.dram.create(check_key(key), layout, fresh=True, back_data=not staged)
+            return TemplateWriter(self, seg, capture_stage.shared() if staged else None)
         except CacheFull as dram_full:
             try:
                 return DiskTemplateWriter(self, key, layout)

@@ -225,6 +225,12 @@ def make_store(config: Config, device=None, dtype=None, *, device_tier: bool = F
     tiered = TieredStore(root, namespace, w.cache_dram_bytes, w.cache_disk_bytes,
                          disk_enabled=w.cache_disk_bytes > 0)  # fmt: skip
     host = HostActivationStore(tiered, root)
+    if w.cache_capture_copies != "auto":
+        host.capture_copies = w.cache_capture_copies
+    if device_tier and host.capture_copies == "staged":
+        from instgenie.cache import capture_stage
+
+        capture_stage.shared().warm()  # the loop captures: its staging slots pinned before ready
     budget = w.cache_gpu_bytes
     if not device_tier or budget == 0 or device is None:
         return host

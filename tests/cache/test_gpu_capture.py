@@ -1,7 +1,9 @@
-"""A capture from a GPU into the DRAM tier pins the segment and DMAs every block asynchronously
-(cache/host_template.py TemplateWriter.pin). What the entry holds must be byte-identical to the
-pageable, synchronous copy's, the pinned mapping must become the process's mapping of the ready
-entry (readers do not pin it again), and an edit must replay the template from it.
+"""A capture from a GPU into the DRAM tier DMAs every block asynchronously: through pinned staging
+slots whose threads back and fill the segment, pinned at commit (capture_stage.py, the default),
+or straight into the segment pinned first (TemplateWriter.pin). What the entry holds must be
+byte-identical to the pageable, synchronous copy's, the pinned mapping must become the
+process's mapping of the ready entry (readers do not pin it again), and an edit must replay the
+template from it.
 GPU only (pinning is a no-op without CUDA): run with --gpu."""
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ def _run(pipe, req):
     return s
 
 
-def _capture(tmp_path, pin: bool):
+def _capture(tmp_path, copies: str):
     """(entry bytes, whether the adopted mapping is pinned, full-run latents, edit latents)."""
     ns = uuid.uuid4().hex[:10]
     root = tmp_path / ns
     tiered = TieredStore(root, ns, dram_capacity_bytes=256 << 20, disk_capacity_bytes=0)
     try:
         store = HostActivationStore(tiered, root)
-        store.pin_memory = pin
+        store.pin_memory = copies != "direct"
+        store.capture_copies = copies
         pipe = EditPipeline(_family(), store=store)
         img, mask = png_bytes(make_image(128, 128, seed=7)), png_bytes(make_mask(128, 128))
         common = dict(prompt="a linen shirt", seed=9, num_inference_steps=STEPS)
@@ -65,11 +68,13 @@ def _capture(tmp_path, pin: bool):
         cleanup(ns)
 
 
-def test_a_pinned_async_capture_stores_what_a_pageable_one_does(tmp_path) -> None:
-    pinned, adopted, full, edit = _capture(tmp_path, pin=True)
-    pageable, adopted_pageable, _, _ = _capture(tmp_path, pin=False)
-    assert adopted and not adopted_pageable
-    assert torch.equal(pinned, pageable)
-    # the masked path's kernels differ from the full path's (TF32, varlen attention): close,
-    # not bit-equal, on a GPU
-    assert float((edit - full).abs().max()) <= 1e-3 * float(full.abs().max())
+def test_pinned_and_staged_async_captures_store_what_a_pageable_one_does(tmp_path) -> None:
+    pageable, adopted_pageable, _, _ = _capture(tmp_path, "direct")
+    assert not adopted_pageable
+    for copies in ("pinned", "staged"):
+        data, adopted, full, edit = _capture(tmp_path, copies)
+        assert adopted, copies
+        assert torch.equal(data, pageable), copies
+        # the masked path's kernels differ from the full path's (TF32, varlen attention): close,
+        # not bit-equal, on a GPU (full and edit of one pipeline: its graphs and plans)
+        assert float((edit - full).abs().max()) <= 1e-3 * float(full.abs().max()), copies
