@@ -60,11 +60,12 @@ class HostActivationStore:
         self._pin_lock = threading.Lock()
         #: register DRAM mappings as pinned memory (CUDA machines); benchmarks turn it off
         self.pin_memory = torch.cuda.is_available()
-        #: how a capture's blocks reach its DRAM segment: "staged" (CUDA machines: async DMA into
-        #: pinned slots, pages backed and written by host threads, registered at commit;
-        #: capture_stage.py, decision 0046), "pinned" (the segment registered first, DMA into
-        #: it: decision 0036), "direct" (elsewhere: synchronous copies)
-        self.capture_copies = "staged" if self.pin_memory else "direct"
+        #: how a capture's blocks reach its DRAM segment: "staged" (async DMA into pinned slots,
+        #: pages backed and written by host threads, registered at commit; capture_stage.py,
+        #: decision 0046), "pinned" (the segment registered first, DMA into it: decision 0036),
+        #: "direct" (synchronous copies), "auto" = staged for a capture on a CUDA device on a
+        #: machine that pins (pin_memory), else direct
+        self.capture_copies = "auto"
         tiered.dram.on_unmap = _unpin_segment
 
     # ---- status / meta ---------------------------------------------------------------------
@@ -279,6 +280,8 @@ class _StreamingWriter:
         if self._writer is None:
             layout = self._layout(latents)
             copies = self.store.capture_copies
+            if copies == "auto":
+                copies = "staged" if self.store.pin_memory and latents.is_cuda else "direct"
             try:
                 self._writer = self.store.tiered.writer(self.key, layout, staged=copies == "staged")
             except ValueError:  # building or ready in some tier: another process was first

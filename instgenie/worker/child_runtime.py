@@ -225,9 +225,10 @@ def make_store(config: Config, device=None, dtype=None, *, device_tier: bool = F
     tiered = TieredStore(root, namespace, w.cache_dram_bytes, w.cache_disk_bytes,
                          disk_enabled=w.cache_disk_bytes > 0)  # fmt: skip
     host = HostActivationStore(tiered, root)
-    if w.cache_capture_copies != "auto":
-        host.capture_copies = w.cache_capture_copies
-    if device_tier and host.capture_copies == "staged":
+    host.capture_copies = w.cache_capture_copies
+    staged = w.cache_capture_copies == "staged" or (w.cache_capture_copies == "auto"
+                                                   and host.pin_memory)  # fmt: skip
+    if device_tier and staged:
         from instgenie.cache import capture_stage
 
         capture_stage.shared().warm()  # the loop captures: its staging slots pinned before ready

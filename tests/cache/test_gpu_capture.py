@@ -76,5 +76,6 @@ def test_pinned_and_staged_async_captures_store_what_a_pageable_one_does(tmp_pat
         assert adopted, copies
         assert torch.equal(data, pageable), copies
         # the masked path's kernels differ from the full path's (TF32, varlen attention): close,
-        # not bit-equal, on a GPU (full and edit of one pipeline: its graphs and plans)
-        assert float((edit - full).abs().max()) <= 1e-3 * float(full.abs().max()), copies
+        # not bit-equal, on a GPU (1.5e-3 of the largest latent measured on an H200, torch 2.11);
+        # rows read from a wrong or damaged entry differ by O(1)
+        assert float((edit - full).abs().max()) <= 5e-3 * float(full.abs().max()), copies
