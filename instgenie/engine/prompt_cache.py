@@ -15,11 +15,11 @@ request's output is unchanged by its prompt being cached).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 import torch
 
+from instgenie.engine.bytes_lru import BytesLRU
 from instgenie.lora.apply import text_key
 
 Entry = tuple[torch.Tensor | None, ...]
@@ -29,49 +29,23 @@ def entry_bytes(entry: Entry) -> int:
     return sum(t.numel() * t.element_size() for t in entry if t is not None)
 
 
-class PromptCache:
+class PromptCache(BytesLRU[Entry]):
     def __init__(self, capacity_bytes: int) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"prompt cache capacity must be >= 0 bytes, got {capacity_bytes}")
-        self.capacity = int(capacity_bytes)
-        self._entries: OrderedDict[Hashable, tuple[Entry, int]] = OrderedDict()
-        self.bytes = 0
-        self.hits = self.misses = self.evictions = 0
+        super().__init__(capacity_bytes, "prompt cache")
 
     def get(self, key: Hashable, encode: Callable[[], Entry]) -> Entry:
         """The cached entry for `key`, or `encode()`'s result (kept if it fits). The key includes
         the text-encoder LoRAs active for this encode (lora.apply.text_key)."""
         key = (key, text_key())
-        hit = self._entries.get(key)
+        hit = self.find(key)
         if hit is not None:
-            self._entries.move_to_end(key)
             self.hits += 1
-            return hit[0]
+            return hit
         self.misses += 1
         entry = tuple(encode())
-        size = entry_bytes(entry)
-        if 0 < size <= self.capacity:
-            while self.bytes + size > self.capacity:
-                _, (_, old) = self._entries.popitem(last=False)
-                self.bytes -= old
-                self.evictions += 1
-            self._entries[key] = (entry, size)
-            self.bytes += size
+        self.keep(key, entry, entry_bytes(entry))
         return entry
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     def stats(self) -> dict[str, float]:
         """Counters for the worker's Stats (prefix `prompt_`)."""
-        return {
-            "prompt_hits": float(self.hits),
-            "prompt_misses": float(self.misses),
-            "prompt_evictions": float(self.evictions),
-            "prompt_bytes": float(self.bytes),
-            "prompt_entries": float(len(self._entries)),
-        }
+        return self.counters("prompt_")
