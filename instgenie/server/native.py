@@ -141,7 +141,14 @@ async def create_template(request: Request) -> JSONResponse:
     info = rt.probe(image, "image")
     mask = blobs.get("mask")
     if mask is not None:
-        rt.check_mask(mask, "mask", info.size)
+        minfo = rt.probe(mask, "mask")
+        if minfo.size != info.size:
+            raise ApiError.invalid(
+                "mask",
+                f"is {minfo.width}x{minfo.height} but the image is "
+                f"{info.width}x{info.height}; the mask must have the image's "
+                "size",
+            )
     steps = (
         params.num_inference_steps if params.num_inference_steps is not None else rt.default_steps()
     )

@@ -202,17 +202,6 @@ class Runtime:
         except ValidationError as exc:
             raise ApiError.from_validation(exc) from None
 
-    def check_mask(self, data: bytes, field: str, size: tuple[int, int]) -> None:
-        """422 naming `field` unless `data` is an image of the image's `size` (width, height)."""
-        info = self.probe(data, field)
-        if info.size != size:
-            noun = field.replace("_", " ")
-            raise ApiError.invalid(
-                field,
-                f"is {info.width}x{info.height} but the image is {size[0]}x{size[1]}; the "
-                f"{noun} must have the image's size",
-            )
-
     @property
     def granule(self) -> int:
         """Working sizes are multiples of this (the workers' CostSpec; 8 before any reported)."""
@@ -313,9 +302,21 @@ class Runtime:
                 rec, image = found, None  # the same bytes: edit the registered template
         else:
             raise ApiError.invalid("image", "an image (or a template_id) is required")
-        self.check_mask(mask, "mask", (width, height))
+        minfo = self.probe(mask, "mask")
+        if minfo.size != (width, height):
+            raise ApiError.invalid(
+                "mask",
+                f"is {minfo.width}x{minfo.height} but the image is "
+                f"{width}x{height}; the mask must have the image's size",
+            )
         if context_mask is not None:
-            self.check_mask(context_mask, "context_mask", (width, height))
+            cinfo = self.probe(context_mask, "context_mask")
+            if cinfo.size != (width, height):
+                raise ApiError.invalid(
+                    "context_mask",
+                    f"is {cinfo.width}x{cinfo.height} but the image is "
+                    f"{width}x{height}; the context mask must have the image's size",
+                )
         steps = num_inference_steps
         if steps is None and rec is not None:
             steps = rec.msg.num_inference_steps
