@@ -166,8 +166,6 @@ class SubmitEdit(ClientToWorker):  # one edit request
     template_id: str | None = None  # RegisterTemplate id whose activation cache may be used
     submitted_at: float = 0.0  # unix seconds, client clock
     loras: list[tuple[str, float]] = field(default_factory=list)  # (LoRA id (64 hex), scale)
-    #: encoded context region (white = recompute, not pasted; EditRequest.context_mask); None
-    context_mask: bytes | None = None
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

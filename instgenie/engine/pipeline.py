@@ -12,11 +12,11 @@ cache); otherwise it runs "full". A full run of a template's capture spec record
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from PIL import Image, ImageChops
+from PIL import Image
 
 from instgenie.cache.disk import CacheMiss
 from instgenie.cache.store import ActivationStore, InMemoryStore, TemplateMeta, tier_of
@@ -32,7 +32,7 @@ from instgenie.engine.imageio import (
     paste_back,
 )
 from instgenie.engine.masked.tokens import pixel_mask_tensor
-from instgenie.engine.request import DecodedInputs, EditRequest, EditResult, RequestState
+from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.sizing import pixel_hint, resolve_limits, working_size
 from instgenie.engine.step_pricing import StepPricer
 from instgenie.engine.templates import TemplateRecord, TemplateSpec, mismatch, template_key
@@ -44,6 +44,39 @@ from instgenie.scheduler.fits import Profile
 from instgenie.scheduler.step import GraphUse, StepPlan, members_of
 
 MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class EditResult:
+    uid: str
+    #: encoded image bytes in `output_format`
+    data: bytes
+    output_format: str
+    image: Image.Image
+    #: fraction of the image's pixels marked for editing
+    mask_ratio: float
+    num_steps: int
+    #: MASKED or FULL
+    path: Path
+    #: HIT (read a template cache), MISS (template given, cache not usable), None (no template)
+    cache: CacheOutcome | None
+    #: on a hit: the tier the cache was read from (cache.store.tier_of), else None
+    cache_tier: Tier | None = None
+    #: why an edit of a template took the full path (select_path), else None
+    fallback_reason: str | None = None
+
+
+@dataclass
+class DecodedInputs:
+    """Pre-processing's CPU half (decode, validate, resize): what the model half needs."""
+
+    request: EditRequest
+    image: Image.Image  # as given: the paste-back source, output size
+    mask: Image.Image  # binary "L" (255 = edit), image's size
+    work_image: Image.Image  # resized to (width, height), the working resolution
+    work_mask: Image.Image
+    height: int  # working resolution, pixels
+    width: int
 
 
 class EditPipeline:
@@ -258,12 +291,6 @@ class EditPipeline:
             raise ValidationError(
                 "mask", f"becomes empty at the working resolution {width}x{height}"
             )
-        context = getattr(req, "context_mask", None)
-        if context is not None:
-            work = decode_mask(context, image.size, self.limits, "context_mask")
-            if work.size != (width, height):
-                work = work.resize((width, height), Image.Resampling.NEAREST)
-            inputs = replace(inputs, work_context=work)
         return inputs
 
     def encode_inputs(self, inputs: DecodedInputs) -> RequestState:
@@ -281,7 +308,6 @@ class EditPipeline:
                 inputs.request, inputs.work_image, inputs.work_mask, inputs.height, inputs.width
             )
         state.original_image, state.original_mask = inputs.image, inputs.mask
-        state.context_mask = inputs.work_context
         state.lora = use
         return state
 
@@ -333,9 +359,6 @@ class EditPipeline:
         tier = getattr(handle, "tier", tier)
         state.path, state.cache_key, state.cache_meta = Path.MASKED, key, meta
         state.cache_handle = handle
-        if state.context_mask is not None:  # recomputed too (tokens, latents); not pasted
-            both = ImageChops.lighter(state.mask, state.context_mask)
-            masks = self.family.token_masks(pixel_mask_tensor(both))
         state.token_index = {L: m.nonzero().squeeze(1) for L, m in masks.items()}
         state.edit_mask = self.family.edit_mask(masks, state)
         state.notes = replace(state.notes, cache=CacheOutcome.HIT, cache_tier=Tier.named(tier))

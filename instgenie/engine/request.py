@@ -15,7 +15,7 @@ from PIL import Image
 from instgenie.cache.store import CacheWriter, TemplateHandle, TemplateMeta
 from instgenie.engine.imageio import ImageInput
 from instgenie.lora.gate import LoraUse
-from instgenie.messages import CacheOutcome, Path, RequestNotes, Tier
+from instgenie.messages import Path, RequestNotes
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,6 @@ class EditRequest:
     template_id: str | None = None
     #: LoRAs to apply, ((lora id (64 hex), scale), ...), in order; see instgenie/lora
     loras: tuple[tuple[str, float], ...] = ()
-    #: context region (same polarity as `mask`): pixels whose tokens the masked path computes
-    #: with this edit's prompt as well, without editing them (their latents stay the
-    #: template's, paste-back still keeps only `mask`), e.g. a template's whole garment when
-    #: the mask covers part of it: its features then follow the new prompt, as on the full
-    #: path, instead of the template's (decision 0047). None = the mask alone. The full path,
-    #: which computes every token, ignores it.
-    context_mask: ImageInput | None = None
 
 
 @dataclass(eq=False)  # identity semantics: a state is one request's evolving run
@@ -83,8 +76,6 @@ class RequestState:
     #: pipeline; equal to image/mask when no resize was needed)
     original_image: Image.Image | None = None
     original_mask: Image.Image | None = None
-    #: the request's context region at working resolution ("L", {0, 255}), None without one
-    context_mask: Image.Image | None = None
     step_index: int = 0
     #: what the stages learn on the way (cache outcome, capture run, stage times); it travels
     #: with the state (worker.state_wire); frozen: a stage records with dataclasses.replace
@@ -102,8 +93,7 @@ class RequestState:
     cache_key: str | None = None
     cache_handle: TemplateHandle | None = None
     cache_meta: TemplateMeta | None = None
-    #: {L: int64 indices of the tokens the request computes at the resolution with L tokens}
-    #: (CPU): its masked tokens, and those of its context region
+    #: {L: int64 indices of the request's masked tokens at the resolution with L tokens} (CPU)
     token_index: dict[int, torch.Tensor] | None = None
     #: bool, broadcastable to `latents`: True where the latents are edited (computed)
     edit_mask: torch.Tensor | None = None
@@ -129,38 +119,3 @@ class RequestState:
         """Requests may share a denoising batch only if these agree (latent shape, text length)."""
         text = self.cond.get("prompt_embeds")
         return (tuple(self.latents.shape), None if text is None else tuple(text.shape[1:]))
-
-
-@dataclass(frozen=True)
-class EditResult:
-    uid: str
-    #: encoded image bytes in `output_format`
-    data: bytes
-    output_format: str
-    image: Image.Image
-    #: fraction of the image's pixels marked for editing
-    mask_ratio: float
-    num_steps: int
-    #: MASKED or FULL
-    path: Path
-    #: HIT (read a template cache), MISS (template given, cache not usable), None (no template)
-    cache: CacheOutcome | None
-    #: on a hit: the tier the cache was read from (cache.store.tier_of), else None
-    cache_tier: Tier | None = None
-    #: why an edit of a template took the full path (select_path), else None
-    fallback_reason: str | None = None
-
-
-@dataclass
-class DecodedInputs:
-    """Pre-processing's CPU half (decode, validate, resize): what the model half needs."""
-
-    request: EditRequest
-    image: Image.Image  # as given: the paste-back source, output size
-    mask: Image.Image  # binary "L" (255 = edit), image's size
-    work_image: Image.Image  # resized to (width, height), the working resolution
-    work_mask: Image.Image
-    height: int  # working resolution, pixels
-    width: int
-    #: the request's context region at working resolution (EditRequest.context_mask), or None
-    work_context: Image.Image | None = None

@@ -45,9 +45,6 @@ KEEPALIVE_S = 15.0  # SSE comment line interval while a job makes no progress, s
 _EDIT_FILES = {
     "image": "image (PNG/JPEG/WebP); or give template_id",
     "mask": "mask, white = edit, black = keep; the image's size",
-    "context_mask": "optional context region, the image's size: on a template's masked path "
-    "its tokens are recomputed with the edit's prompt too, but only the mask is pasted back "
-    "(e.g. the template's whole garment when the mask covers part of it)",
 }
 _TEMPLATE_FILES = {
     "image": "template image (PNG/JPEG/WebP)",
@@ -229,7 +226,6 @@ async def prepare_native_edit(request: Request) -> EditSpec:
         paste_back=params.paste_back,
         retry=params.retry,
         loras=[(r.id, r.scale) for r in params.loras or ()],
-        context_mask=blobs.get("context_mask"),
     )
     await rt.measure_mask([spec])
     return spec

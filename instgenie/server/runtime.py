@@ -277,7 +277,6 @@ class Runtime:
         size: tuple[int, int] | None = None,
         retry: bool = True,
         loras: list[tuple[str, float]] | None = None,
-        context_mask: bytes | None = None,
     ) -> EditSpec:
         """Validate an edit from its header-level facts; 4xx naming the field otherwise.
         `loras`: [(registered LoRA id, scale), ...] (404 lora_not_found for an unknown id)."""
@@ -309,14 +308,6 @@ class Runtime:
                 f"is {minfo.width}x{minfo.height} but the image is "
                 f"{width}x{height}; the mask must have the image's size",
             )
-        if context_mask is not None:
-            cinfo = self.probe(context_mask, "context_mask")
-            if cinfo.size != (width, height):
-                raise ApiError.invalid(
-                    "context_mask",
-                    f"is {cinfo.width}x{cinfo.height} but the image is "
-                    f"{width}x{height}; the context mask must have the image's size",
-                )
         steps = num_inference_steps
         if steps is None and rec is not None:
             steps = rec.msg.num_inference_steps
@@ -350,7 +341,6 @@ class Runtime:
             output_format=output_format,
             template_id=rec.template_id if rec is not None else None,
             loras=refs,
-            context_mask=context_mask,
         )
         tid = rec.template_id if rec is not None else None
         route = RouteRequest(template_id=tid, num_steps=steps, pixels=work[0] * work[1],
@@ -370,13 +360,13 @@ class Runtime:
         strides = sorted({b.stride for c in specs_of for b in c.blocks})
         measured: dict[tuple, tuple[float, dict[int, float]]] = {}
         for spec in specs:
-            mask, context = spec.fields["mask"], spec.fields.get("context_mask")
+            mask = spec.fields["mask"]
             work = spec.work_size
-            key = (id(mask), id(context), work)  # an OpenAI request's n edits share their mask
+            key = (id(mask), work)  # the n edits of one OpenAI request share their mask
             if key not in measured:
                 try:
                     measured[key] = await asyncio.to_thread(
-                        mask_facts, mask, spec.image_size, work, self.limits, strides, context
+                        mask_facts, mask, spec.image_size, work, self.limits, strides
                     )
                 except ValidationError as exc:
                     raise ApiError.from_validation(exc) from None

@@ -130,11 +130,6 @@ class EditJSON(EditParams):
 
     image: Text | None = Field(None, description="base64 image (PNG/JPEG/WebP); or template_id")
     mask: Text | None = Field(None, description="base64 mask, white = edit, the image's size")
-    context_mask: Text | None = Field(
-        None,
-        description="base64 context region, the image's size: recomputed with the edit's "
-        "prompt on a template's masked path, not pasted back",
-    )
 
 
 class TemplateParams(_Strict):

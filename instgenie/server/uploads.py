@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pydantic
-from PIL import Image, ImageChops
+from PIL import Image
 from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -295,18 +295,10 @@ def mask_facts(
     working_size: tuple[int, int],
     limits: LimitsConfig,
     strides: list[int],
-    context: bytes | None = None,
 ) -> tuple[float, dict[int, float]]:
     """(fraction of pixels edited, token_ratios at `strides`) of an encoded native mask, at
-    the working size (resized nearest-neighbour, as the worker's pre-processing does). With a
-    context region the token ratios are of what the masked path computes: mask and context."""
+    the working size (resized nearest-neighbour, as the worker's pre-processing does)."""
     img = decode_mask(mask, image_size, limits, "mask")
     if img.size != working_size:
         img = img.resize(working_size, Image.Resampling.NEAREST)
-    computed = img
-    if context is not None:
-        ctx = decode_mask(context, image_size, limits, "context_mask")
-        if ctx.size != working_size:
-            ctx = ctx.resize(working_size, Image.Resampling.NEAREST)
-        computed = ImageChops.lighter(img, ctx)
-    return mask_ratio(img), token_ratios(np.asarray(computed) >= 128, strides)
+    return mask_ratio(img), token_ratios(np.asarray(img) >= 128, strides)

@@ -58,7 +58,7 @@ class Stages:
             image=msg.image, prompt=msg.prompt, negative_prompt=msg.negative_prompt,
             seed=msg.seed, num_inference_steps=msg.num_inference_steps,
             guidance_scale=msg.guidance_scale, strength=msg.strength, mask=msg.mask,
-            loras=tuple((str(i), float(s)) for i, s in msg.loras), context_mask=msg.context_mask,
+            loras=tuple((str(i), float(s)) for i, s in msg.loras),
         )  # fmt: skip
         try:
             self.keys[msg.template_id] = self.pipe.register_template(spec)

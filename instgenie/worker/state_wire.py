@@ -56,8 +56,6 @@ def inputs_to_parts(
     if inputs.work_image is not inputs.image:
         tensors["work_image"] = _img(inputs.work_image)
         tensors["work_mask"] = _img(inputs.work_mask)
-    if inputs.work_context is not None:
-        tensors["work_context"] = _img(inputs.work_context)
     meta = InputsMeta(
         uid=uid, request=_params(inputs.request), image_mode=inputs.image.mode,
         height=inputs.height, width=inputs.width, notes=notes,
@@ -75,9 +73,7 @@ def inputs_from_parts(
     if "work_image" in tensors:
         work_image = _pil(tensors["work_image"], meta.image_mode)
         work_mask = _pil(tensors["work_mask"], "L")
-    context = _pil(tensors["work_context"], "L") if "work_context" in tensors else None
-    inputs = DecodedInputs(req, image, mask, work_image, work_mask, meta.height, meta.width,
-                           context)  # fmt: skip
+    inputs = DecodedInputs(req, image, mask, work_image, work_mask, meta.height, meta.width)
     return meta.uid, inputs, meta.notes
 
 
@@ -98,8 +94,6 @@ def to_parts(
     if state.original_image is not None:
         tensors["original_image"] = _img(state.original_image)
         tensors["original_mask"] = _img(state.original_mask)
-    if state.context_mask is not None and not for_post:  # the loop's path selection reads it
-        tensors["context_mask"] = _img(state.context_mask)
     if not for_post:
         tensors.update({f"cond.{k}": v for k, v in state.cond.items()})
     if decoded is not None:
@@ -158,8 +152,6 @@ def from_parts(
     if "original_image" in tensors:
         state.original_image = _pil(tensors["original_image"], meta.image_mode)
         state.original_mask = _pil(tensors["original_mask"], "L")
-    if "context_mask" in tensors:
-        state.context_mask = _pil(tensors["context_mask"], "L")
     return state
 
 

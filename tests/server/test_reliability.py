@@ -177,13 +177,6 @@ def test_exif_rotation_gives_the_displayed_size(srv: ServerProcess) -> None:
             "mask: is 32x32 but the image is 64x64; the mask must have the image's size",
         ),
         (
-            {"context_mask": mask_png(32)},
-            "context_mask",
-            "context_mask: is 32x32 but the image is 64x64; the context mask must have the "
-            "image's size",
-        ),
-        ({"context_mask": b"not an image"}, "context_mask", "context_mask:"),
-        (
             {"num_inference_steps": 201},
             "num_inference_steps",
             "num_inference_steps: must be an integer between 1 and 200, got 201",

@@ -71,24 +71,7 @@ def test_split_stages_equal_the_one_process_pipeline() -> None:
 
 
 def test_edit_params_carry_every_request_field() -> None:
-    """The wire form of an EditRequest (messages.EditParams) has every field but the images
-    (they travel as tensors): a field added to one and not the other would be lost between
-    processes."""
-    request = {f.name for f in dataclasses.fields(EditRequest)} - {"image", "mask", "context_mask"}
+    """The wire form of an EditRequest (messages.EditParams) has every field but the images:
+    a field added to one and not the other would be lost between processes."""
+    request = {f.name for f in dataclasses.fields(EditRequest)} - {"image", "mask"}
     assert {f.name for f in dataclasses.fields(EditParams)} == request
-
-
-def test_a_context_region_crosses_both_hops() -> None:
-    """pre -> loop (decoded inputs) and loop -> loop (state): the working-resolution context
-    region arrives; post-processing does not need it."""
-    pipe = tiny_pipeline("sdxl-inpaint")
-    ctx = make_mask(64, 64, box=(0.1, 0.1, 0.5, 0.9))
-    req = EditRequest(uid="x", image=png_bytes(make_image(64, 64)),
-                      mask=png_bytes(make_mask(64, 64)), prompt="a cap", seed=1,
-                      num_inference_steps=2, context_mask=png_bytes(ctx))  # fmt: skip
-    _, inputs, _ = inputs_from_parts(*inputs_to_parts("x", pipe.decode_inputs(req), RequestNotes()))
-    assert np.array_equal(np.asarray(inputs.work_context), np.asarray(ctx))
-    state = pipe.encode_inputs(inputs)
-    back = from_parts(*to_parts(state), torch.device("cpu"))
-    assert np.array_equal(np.asarray(back.context_mask), np.asarray(state.context_mask))
-    assert from_parts(*to_parts(state, for_post=True), torch.device("cpu")).context_mask is None
