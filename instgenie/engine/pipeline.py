@@ -12,7 +12,7 @@ cache); otherwise it runs "full". A full run of a template's capture spec record
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from instgenie.engine.imageio import (
     paste_back,
 )
 from instgenie.engine.masked.tokens import pixel_mask_tensor
-from instgenie.engine.request import EditRequest, RequestState
+from instgenie.engine.request import DecodedInputs, EditRequest, EditResult, RequestState
 from instgenie.engine.sizing import pixel_hint, resolve_limits, working_size
 from instgenie.engine.step_pricing import StepPricer
 from instgenie.engine.templates import TemplateRecord, TemplateSpec, mismatch, template_key
@@ -44,39 +44,6 @@ from instgenie.scheduler.fits import Profile
 from instgenie.scheduler.step import GraphUse, StepPlan, members_of
 
 MAX_SEED = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class EditResult:
-    uid: str
-    #: encoded image bytes in `output_format`
-    data: bytes
-    output_format: str
-    image: Image.Image
-    #: fraction of the image's pixels marked for editing
-    mask_ratio: float
-    num_steps: int
-    #: MASKED or FULL
-    path: Path
-    #: HIT (read a template cache), MISS (template given, cache not usable), None (no template)
-    cache: CacheOutcome | None
-    #: on a hit: the tier the cache was read from (cache.store.tier_of), else None
-    cache_tier: Tier | None = None
-    #: why an edit of a template took the full path (select_path), else None
-    fallback_reason: str | None = None
-
-
-@dataclass
-class DecodedInputs:
-    """Pre-processing's CPU half (decode, validate, resize): what the model half needs."""
-
-    request: EditRequest
-    image: Image.Image  # as given: the paste-back source, output size
-    mask: Image.Image  # binary "L" (255 = edit), image's size
-    work_image: Image.Image  # resized to (width, height), the working resolution
-    work_mask: Image.Image
-    height: int  # working resolution, pixels
-    width: int
 
 
 class EditPipeline:

@@ -15,7 +15,7 @@ from PIL import Image
 from instgenie.cache.store import CacheWriter, TemplateHandle, TemplateMeta
 from instgenie.engine.imageio import ImageInput
 from instgenie.lora.gate import LoraUse
-from instgenie.messages import Path, RequestNotes
+from instgenie.messages import CacheOutcome, Path, RequestNotes, Tier
 
 
 @dataclass(frozen=True)
@@ -119,3 +119,36 @@ class RequestState:
         """Requests may share a denoising batch only if these agree (latent shape, text length)."""
         text = self.cond.get("prompt_embeds")
         return (tuple(self.latents.shape), None if text is None else tuple(text.shape[1:]))
+
+
+@dataclass(frozen=True)
+class EditResult:
+    uid: str
+    #: encoded image bytes in `output_format`
+    data: bytes
+    output_format: str
+    image: Image.Image
+    #: fraction of the image's pixels marked for editing
+    mask_ratio: float
+    num_steps: int
+    #: MASKED or FULL
+    path: Path
+    #: HIT (read a template cache), MISS (template given, cache not usable), None (no template)
+    cache: CacheOutcome | None
+    #: on a hit: the tier the cache was read from (cache.store.tier_of), else None
+    cache_tier: Tier | None = None
+    #: why an edit of a template took the full path (select_path), else None
+    fallback_reason: str | None = None
+
+
+@dataclass
+class DecodedInputs:
+    """Pre-processing's CPU half (decode, validate, resize): what the model half needs."""
+
+    request: EditRequest
+    image: Image.Image  # as given: the paste-back source, output size
+    mask: Image.Image  # binary "L" (255 = edit), image's size
+    work_image: Image.Image  # resized to (width, height), the working resolution
+    work_mask: Image.Image
+    height: int  # working resolution, pixels
+    width: int
