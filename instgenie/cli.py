@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 import time
-from importlib import resources
+from importlib import import_module, resources
 from pathlib import Path
 
 from instgenie.config import (
@@ -184,6 +184,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from instgenie.engine.family import check_model_config
     from instgenie.engine.profiling import r2_report
 
+    if args.capture_from:  # no model: a served run's step log prices its captures
+        return import_module("instgenie.sim.capture_profile").cmd_capture_from(args)
     model = _model_config(args)
     check_model_config(model)
     base = _stages_base(args.output) if args.stages_only else None
@@ -198,8 +200,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _disk_dir(path: str) -> None:
-    """The scratch directory `profile --disk-dir` writes its test entries in: made (with its
-    parents) when missing, like the cache root it stands for; a file there is refused."""
+    """`profile --disk-dir`'s scratch directory: made when missing; a file there is refused."""
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # FileExistsError: a file at the path (or on the way)
@@ -434,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="time only the loop's per-request encode/decode and replace those fits in the "
         "existing profile -o (fitted for this model's blocks)",
     )  # fmt: skip
+    prof.add_argument("--capture-from", metavar="STEP_LOG", help="fit only -o's capture cost from "
+                      "a served run's step log (serve --step-log); loads no model")  # fmt: skip
+    prof.add_argument("--capture-steps", type=_POSITIVE, default=20)
+    prof.add_argument("--capture-mask-ratio", type=_mask_ratio, default=0.2)
     prof.set_defaults(func=cmd_profile)
 
     worker = sub.add_parser("worker", help="run one worker (denoise loop + pre/post processes)")

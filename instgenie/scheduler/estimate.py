@@ -138,6 +138,13 @@ class Estimator:
         """The step outside its transformer blocks for `rows_pixels` = batch rows * pixels."""
         return fit_ms(self.spec.other, rows_pixels) if self.spec.other is not None else 0.0
 
+    def capture_ms(self, pixels: int) -> float:
+        """What a template's capture run of `pixels` costs its loop beyond its priced steps, ms
+        (the profile's capture fit, from a served step log); 0 without one."""
+        if not self.fitted or self.spec.capture is None:
+            return 0.0
+        return fit_ms(self.spec.capture, pixels)
+
     def stage_ms(self, stage: str, pixels: int) -> float:
         """The loop's `stage` ("encode" | "decode") of one request of `pixels`, ms; 0 when the
         worker's spec has no fit for it, or prices steps in nominal FLOPs (other units)."""

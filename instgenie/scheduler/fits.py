@@ -4,7 +4,9 @@ A profile (profiles/*.json, written by `instgenie profile`, measured by engine/p
 per block class ("<kind>:<channels>", spec.block_class) and mode ("cached" = masked tokens from
 a cache, "full" = every token), a fit of ms against the block's FLOPs (pricing.batch_flops); per
 load tier ("dram", "disk") a fit of ms against bytes; the rest of the step ("other") against
-batch rows * pixels; and the loop's per-request stages ("encode", "decode") against pixels.
+batch rows * pixels; the loop's per-request stages ("encode", "decode") against pixels; and
+what a template's capture run costs its loop beyond its priced steps ("capture", against pixels:
+fitted from a served step log, `instgenie profile --capture-from`).
 The same `LinearFit` travels in a worker's CostSpec (spec.py), so the router and the worker's
 planner price with the very fits the profile holds. Pure Python and numpy: scikit-learn is
 imported only by `LinearFit.fit` (profiling).
@@ -80,6 +82,11 @@ class Profile:
     #: stage (STAGES) -> fit of ms against working pixels of one request; empty in profiles
     #: fitted before they were measured
     stages: dict[str, LinearFit] = field(default_factory=dict)
+    #: a template's capture run in a served loop: what its steps take beyond their price (the
+    #: segment's creation, the copies beside the steps, the commit, its batch run eagerly), fit
+    #: of ms against the template's working pixels; None: not fitted (a capture is priced as a
+    #: full-path request alone)
+    capture: LinearFit | None = None
 
     def set_stages(self, samples: dict[str, list[tuple[int, float]]]) -> None:
         """Fit the stages from their (pixels, ms) samples and keep the samples in meta."""
@@ -102,6 +109,7 @@ class Profile:
             "blocks": {str(b): c for b, c in self.blocks.items()},
             "other": asdict(self.other) if self.other is not None else None,
             "stages": {k: asdict(f) for k, f in self.stages.items()},
+            "capture": asdict(self.capture) if self.capture is not None else None,
             "meta": self.meta,
         }  # fmt: skip
 
@@ -121,6 +129,7 @@ class Profile:
             meta=data.get("meta", {}),
             other=LinearFit(**data["other"]) if data.get("other") else None,
             stages={k: LinearFit(**f) for k, f in (data.get("stages") or {}).items()},
+            capture=LinearFit(**data["capture"]) if data.get("capture") else None,
         )
 
     @classmethod

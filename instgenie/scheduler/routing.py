@@ -155,7 +155,11 @@ class CacheAware(MaskAware):
     sent ahead of it, not decoded) joins w's batches too. A held request whose template is not
     ready on w runs the full path and has a capture beside it (priced as one more held request
     with its steps left), once per template: a new edit of that template then runs the full
-    path without starting another. The price is the latency the edit adds on w: its own time
+    path without starting another. A capture also costs the loop what the worker's profile
+    says a served capture takes beyond its priced steps (Estimator.capture_ms: the segment's
+    creation, its copies, its commit, its batch run eagerly; measured ≈ 3 s for an SDXL 1024²
+    template on an H200, 3x its 20 priced steps), in proportion to the steps it has left; every
+    request in the loop waits for it. The price is the latency the edit adds on w: its own time
     until decoded plus the delay it causes the edits w holds (their finish times simulated with
     and without it: a request joining a full batch, or a disk read or a capture slowing its
     steps, costs them too). Replication follows from the prices: a holding node's price grows
@@ -170,6 +174,7 @@ class CacheAware(MaskAware):
         line: list[list] = []  # [work, steps left], in arrival order
         fresh: list[int] = []  # pixels of the requests the loop still has to encode
         building: set[str] = set()  # templates captured on w meanwhile
+        stall = 0.0  # what the captures cost w's loop beyond their priced steps, ms
         for q in w.requests:
             work = self._work(est, q, w)
             left = work.steps - q.steps_done
@@ -178,16 +183,18 @@ class CacheAware(MaskAware):
             if _capturing(q, work, building):
                 line.append([self._capture(est, q), left, False])
                 fresh += [q.pixels] if q.steps_done == 0 else []
+                stall += est.capture_ms(q.pixels) * left / work.steps
             line.append([work, left])
             fresh += [q.pixels] if q.steps_done == 0 else []
         held = len(line)
-        without = finishes(est, [list(r) for r in line], fresh, w.max_batch)
+        without = finishes(est, [list(r) for r in line], fresh, w.max_batch, stall)
         work = self._work(est, request, w)
         if _capturing(request, work, building):
             line.append([self._capture(est, request), work.steps, False])
             fresh = fresh + [request.pixels]
+            stall += est.capture_ms(request.pixels)
         line.append([work, work.steps])
-        done = finishes(est, line, fresh + [request.pixels], w.max_batch)
+        done = finishes(est, line, fresh + [request.pixels], w.max_batch, stall)
         # the latency it adds: its own, and the delay it causes the edits held there
         added = sum(done[i] - without[i] for i in range(held) if len(line[i]) < 3)
         return done[-1] + added
@@ -235,13 +242,15 @@ def finish_ms(
         line = [r for r in line if r[1] > 0]
 
 
-def finishes(est: Estimator, line: list[list], fresh: list[int], max_batch: int) -> list[float]:
+def finishes(est: Estimator, line: list[list], fresh: list[int], max_batch: int,
+             stall_ms: float = 0.0) -> list[float]:  # fmt: skip
     """finish_ms's simulation run until every request of `line` has left: each one's time until
-    it is decoded (a capture's: until it leaves), ms, in `line`'s order. Mutates `line`."""
+    it is decoded (a capture's: until it leaves), ms, in `line`'s order; `stall_ms` of the loop's
+    time (captures' costs beyond their priced steps) delays every one. Mutates `line`."""
     out = [0.0] * len(line)
     todo = list(range(len(line)))
     B = max_batch if max_batch > 0 else max(1, len(line))
-    t = sum(est.stage_ms("encode", px) for px in fresh)
+    t = stall_ms + sum(est.stage_ms("encode", px) for px in fresh)
     while todo:
         running = todo[:B]
         k = min(line[i][1] for i in running)

@@ -59,10 +59,13 @@ class CostSpec:
     #: empty: not in the profile, or that work does not run in the loop (model_stages="process")
     stages: dict[str, LinearFit] = field(default_factory=dict)
     profile: str = ""  # the profile file's path, "" if none
+    #: a template capture run's cost to its loop beyond its priced steps, fit of ms against
+    #: pixels (Profile.capture); None: not in the profile
+    capture: LinearFit | None = None
 
 
 def profile_fits(profile: Profile, loop_stages: bool = True) -> dict:
-    """CostSpec's fit fields (compute, load, other, stages) from a fitted latency profile;
+    """CostSpec's fit fields (compute, load, other, stages, capture) from a fitted profile;
     `loop_stages`: the loop's process runs each request's encode and decode (else no stages)."""
     return {
         "compute": {f"{c}/{m}": f for c, fits in profile.compute.items()
@@ -70,4 +73,5 @@ def profile_fits(profile: Profile, loop_stages: bool = True) -> dict:
         "load": dict(profile.load),
         "other": profile.other,
         "stages": dict(profile.stages) if loop_stages else {},
+        "capture": profile.capture,  # a loop's capture: wherever its stages run
     }  # fmt: skip

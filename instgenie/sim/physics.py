@@ -4,9 +4,11 @@ The router and the simulator price a step with `Estimator.step_ms` (the worker's
 served loop differs from that price in ways the profile does not measure (measured on 2 x H200,
 docs/benchmarks/cluster-h200.md): a replayed CUDA graph runs at a fixed fraction of the price; the
 first step of a new batch composition captures (or warms up) a graph, a fixed extra; a step with
-a template's capture run in it runs eagerly; and a capture's first step registers the template's
-DRAM segment as pinned memory (cache/host_template.py TemplateWriter.pin), which costs time per
-byte. `StepPhysics` holds those four numbers, plus the per-request time outside the loop
+a template's capture run in it runs eagerly (and, with staged capture copies, beside the host
+threads that fill the segment); a capture's first step creates the template's DRAM segment (and,
+with pinned copies, registers it as pinned memory: cache/host_template.py), and its last step
+commits it (with staged copies: drains the copies and registers the pages), each of which costs
+time per byte. `StepPhysics` holds those five numbers, plus the per-request time outside the loop
 (pre/post-processing and HTTP), and `fit` reads them off a served run's step log
 (`instgenie serve --step-log`) and its load-test report. The simulator's workers take their step
 times from it (`step_ms`); the router keeps pricing with the profile alone, as it does when served.
@@ -41,6 +43,9 @@ class StepPhysics:
     #: a capture's first step takes this much more per GB (1e9 bytes) of the template's cache
     #: (its DRAM segment is pinned), ms
     pin_ms_per_gb: float = 0.0
+    #: a capture's last step takes this much more per GB of the template's cache (its commit:
+    #: staged copies drained, the segment's pages registered), ms
+    commit_ms_per_gb: float = 0.0
     #: each request's time outside the loop (pre/post-processing, HTTP), ms
     outside_ms: float = 0.0
     #: of it, after the loop is done with a request (post-processing, HTTP): the server counts
@@ -50,11 +55,13 @@ class StepPhysics:
     source: str = ""
 
     def step_ms(self, price_ms: float, new_composition: bool, capture_bytes_first: int,
-                captures: int) -> float:  # fmt: skip
+                captures: int, capture_bytes_last: int = 0) -> float:  # fmt: skip
         """One step of a batch priced `price_ms`: `captures` capture runs in it, the ones at
-        their first step holding `capture_bytes_first` bytes of cache between them."""
+        their first step holding `capture_bytes_first` bytes of cache between them, the ones at
+        their last step `capture_bytes_last`."""
         if captures:
-            return self.eager_scale * price_ms + self.pin_ms_per_gb * capture_bytes_first / 1e9
+            return (self.eager_scale * price_ms + self.pin_ms_per_gb * capture_bytes_first / 1e9
+                    + self.commit_ms_per_gb * capture_bytes_last / 1e9)  # fmt: skip
         return self.replay_scale * price_ms + (self.new_composition_ms if new_composition else 0.0)
 
     def save(self, path: str | Path) -> None:
@@ -77,23 +84,18 @@ def fit(
     post_ms: float = 0.0,
 ) -> StepPhysics:
     """StepPhysics from a served run's step log (`serve --step-log` lines). Every cache-reading
-    member is priced at the run's mean `mask_ratio` from DRAM, every other member (a full-path
-    edit, a capture run) as the full path. Each number is a median over the steps of its kind,
-    so a few odd steps (a process's first, compiling) do not move it."""
-    guidance = None
-    strides = sorted(est.strides)
-    masked = est.work(pixels, num_steps, guidance, {s: mask_ratio for s in strides}, "dram")
-    full = est.work(pixels, num_steps, guidance, None, None)
-    replay, composed, eager, pin = [], [], [], []
-    rows = [dict(r) for r in steps]
+        member is priced at the run's mean `mask_ratio` from DRAM, every other member (a full-path
+        edit, a capture run) as the full path. A step with a capture at its first step counts
+    for the segment's creation, one with a capture at its last for the commit, the others for the
+    eager scale. Each number is a median over the steps of its kind,
+        so a few odd steps (a process's first, compiling) do not move it."""
+    replay, composed, eager, pin, commit = [], [], [], [], []
+    last = num_steps - 1
+    rows = _priced(steps, est, pixels, num_steps, mask_ratio)
     for r in rows:
-        members = r["members"]
-        captures = [s for u, s in members if u.startswith(CAPTURE_UID_PREFIX)]
-        reading = sum(r["tiers"].values())
-        price = est.step_ms([masked] * reading + [full] * (len(members) - reading))
-        r["_price"], r["_captures"] = price, captures
+        captures, price = r["_captures"], r["_price"]
         if captures:
-            (pin if 0 in captures else eager).append(r)
+            (pin if 0 in captures else commit if last in captures else eager).append(r)
         elif r["graph"] == "replay":
             replay.append(r["duration_ms"] / price)
     replay_scale = statistics.median(replay) if replay else 1.0
@@ -102,17 +104,61 @@ def fit(
         if not r["_captures"] and r["graph"] in ("capture", "warmup"):
             composed.append(r["duration_ms"] - replay_scale * r["_price"])
     gb = template_bytes / 1e9
-    pins = [(r["duration_ms"] - eager_scale * r["_price"]) / (gb * r["_captures"].count(0))
-            for r in pin]  # fmt: skip
+
+    def per_gb(rs: list[dict], step: int) -> float:
+        """Median extra over an eager step per GB of the captures at `step`, ms (≥ 0)."""
+        vals = [(r["duration_ms"] - eager_scale * r["_price"]) / (gb * r["_captures"].count(step))
+                for r in rs]  # fmt: skip
+        return max(0.0, statistics.median(vals)) if vals else 0.0
+
     return StepPhysics(
         replay_scale=replay_scale,
         new_composition_ms=max(0.0, statistics.median(composed)) if composed else 0.0,
         eager_scale=eager_scale,
-        pin_ms_per_gb=max(0.0, statistics.median(pins)) if pins else 0.0,
+        pin_ms_per_gb=per_gb(pin, 0),
+        commit_ms_per_gb=per_gb(commit, last),
         outside_ms=outside_ms,
         post_ms=post_ms,
         source=source,
     )
+
+
+def _priced(steps: Iterable[dict], est: Estimator, pixels: int, num_steps: int,
+            mask_ratio: float) -> list[dict]:  # fmt: skip
+    """Copies of a step log's rows with "_price" (Estimator.step_ms of the step's members: the
+    cache-reading ones at `mask_ratio` from DRAM, the others on the full path) and "_captures"
+    (the step index of each capture run in it)."""
+    strides = sorted(est.strides)
+    masked = est.work(pixels, num_steps, None, {s: mask_ratio for s in strides}, "dram")
+    full = est.work(pixels, num_steps, None, None, None)
+    rows = []
+    for r in map(dict, steps):
+        members = r["members"]
+        reading = sum(r["tiers"].values())
+        r["_price"] = est.step_ms([masked] * reading + [full] * (len(members) - reading))
+        r["_captures"] = [s for u, s in members if u.startswith(CAPTURE_UID_PREFIX)]
+        rows.append(r)
+    return rows
+
+
+def capture_costs(steps: Iterable[dict], est: Estimator, pixels: int, num_steps: int,
+                  mask_ratio: float) -> list[float]:  # fmt: skip
+    """What each template capture run of a served step log cost its loop beyond its priced
+    steps, ms: over the steps it ran in, each step's duration less its price (`_priced`),
+    shared equally among the captures in that step. Only captures whose `num_steps` steps are
+    all in the log count (one that started before the log, or was cut off, does not)."""
+    runs: dict[tuple[str, int], list[float]] = {}
+    seen: dict[str, int] = {}  # capture uid -> runs of it started so far
+    for r in _priced(steps, est, pixels, num_steps, mask_ratio):
+        caps = [(u, s) for u, s in r["members"] if u.startswith(CAPTURE_UID_PREFIX)]
+        for uid, step in caps:
+            if step == 0:
+                seen[uid] = seen.get(uid, 0) + 1
+            if uid in seen:
+                runs.setdefault((uid, seen[uid]), []).append(
+                    (r["duration_ms"] - r["_price"]) / len(caps)
+                )
+    return [sum(v) for v in runs.values() if len(v) == num_steps]
 
 
 def post_ms(rows: Iterable[dict]) -> float:

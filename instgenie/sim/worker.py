@@ -169,13 +169,19 @@ class SimWorker:
         """The running batch's next step: its price (Estimator.step_ms), as `physics` turns a
         price into a served loop's step time."""
         price = self.est.step_ms([j.work for j in self.running])  # type: ignore[misc]
-        if self.physics is None:
-            return price
+        if self.physics is None:  # a capture's cost beyond its steps, as the router prices it
+            fresh = [j for j in self.running if j.capture and j.steps_done == 0]
+            return price + sum(self.est.capture_ms(j.pixels) for j in fresh)
         batch = frozenset(j.uid for j in self.running)
         new, self._last_batch = batch != self._last_batch, batch
         captures = [j for j in self.running if j.capture]
-        first = sum(self.host.nbytes for j in captures if j.steps_done == 0 and not j.no_room)
-        return self.physics.step_ms(price, new, first, len(captures))
+
+        def held(j: Job, step: int) -> int:  # bytes of j's cache if j is at its `step`
+            return self.host.nbytes if j.steps_done == step and not j.no_room else 0
+
+        first = sum(held(j, 0) for j in captures)
+        last = sum(held(j, j.work.steps - 1) for j in captures)  # type: ignore[union-attr]
+        return self.physics.step_ms(price, new, first, len(captures), last)
 
     def _spent(self, ms: float) -> float:
         self.busy_ms += ms

@@ -80,22 +80,31 @@ def test_a_capture_in_flight_is_priced_once_per_template() -> None:
     est = Estimator(SDXL)
     full = est.work(PX, 20, None, None, None)
     line = lambda: [[full, 17, False], [full, 17]]  # noqa: E731
-    without = finishes(est, line(), [], 8)
-    done = finishes(est, [*line(), [full, 20]], [PX], 8)
+    stall = est.capture_ms(PX) * 17 / 20  # the capture's cost beyond its steps, 17 of 20 left
+    assert stall > 1000.0  # the profile's capture fit (≈ 2.9 s for 20 steps at 1024²)
+    without = finishes(est, line(), [], 8, stall)
+    done = finishes(est, [*line(), [full, 20]], [PX], 8, stall)
     assert same == pytest.approx(done[2] + done[1] - without[1])
 
 
 def test_routes_to_the_holding_node_until_its_queue_outgrows_a_miss() -> None:
     """Replication through routing: a worker on the node holding the cache wins while its queue
     is short; once its price exceeds a miss (full run + capture) on an idle worker, the edit goes
-    there (and that node captures the template); least-loaded ignores the tier."""
+    there (and that node captures the template); least-loaded ignores the tier. The capture's
+    cost beyond its steps (the profile's capture fit) is what keeps a short queue home: priced
+    as a full-path request alone, a miss would win against two held edits."""
     ca = CacheAware()
-    cold = _worker(1, {})
-    busy = lambda n: _worker(0, {"t": "dram"}, tuple(_req("t") for _ in range(n)))  # noqa: E731
-    assert ca.choose(_req("t"), [busy(1), cold]) == 0
-    assert ca.choose(_req("t"), [busy(4), cold]) == 1
-    assert ca.cost_ms(_req("t"), busy(4)) > ca.cost_ms(_req("t"), cold)
-    assert LeastLoaded().choose(_req("t"), [busy(1), cold]) == 1
+
+    def choose(n: int, spec=SDXL) -> int:  # noqa: ANN001
+        busy = _worker(0, {"t": "dram"}, tuple(_req("t") for _ in range(n)), spec)
+        return ca.choose(_req("t"), [busy, _worker(1, {}, (), spec)])
+
+    assert [choose(n) for n in (1, 2, 3, 4, 5, 6)] == [0, 0, 0, 0, 1, 1]
+    assert ca.cost_ms(_req("t"), _worker(1, {})) > 4000.0  # full run + capture ≈ 4.6 s
+    no_fit = dataclasses.replace(SDXL, capture=None)
+    assert [choose(n, no_fit) for n in (1, 2)] == [0, 1]
+    assert LeastLoaded().choose(_req("t"), [_worker(0, {"t": "dram"}, (_req("t"),)),
+                                            _worker(1, {})]) == 1  # fmt: skip
 
 
 def test_the_policy_is_known_by_name_and_to_the_server_config() -> None:

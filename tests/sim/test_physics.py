@@ -29,7 +29,7 @@ EST = Estimator(SDXL)
 PX = 1024 * 1024
 NB = cache_bytes(SDXL, PX, 20, 2)
 TRUE = StepPhysics(replay_scale=0.6, new_composition_ms=110.0, eager_scale=1.1,
-                   pin_ms_per_gb=600.0)  # fmt: skip
+                   pin_ms_per_gb=600.0, commit_ms_per_gb=50.0)  # fmt: skip
 
 
 def _row(graph: str, reading: int, full: int, captures: list[int]) -> dict:
@@ -37,8 +37,8 @@ def _row(graph: str, reading: int, full: int, captures: list[int]) -> dict:
     ratios = {s: 0.2 for s in EST.strides}
     masked, fullw = EST.work(PX, 20, None, ratios, "dram"), EST.work(PX, 20, None, None, None)
     price = EST.step_ms([masked] * reading + [fullw] * (full + len(captures)))
-    first = NB * captures.count(0)
-    ms = TRUE.step_ms(price, graph != "replay", first, len(captures))
+    first, last = NB * captures.count(0), NB * captures.count(19)
+    ms = TRUE.step_ms(price, graph != "replay", first, len(captures), last)
     members = ([(f"{i}:edit", 3) for i in range(reading + full)]
                + [(f"template:{i:064x}", s) for i, s in enumerate(captures)])  # fmt: skip
     return {"graph": graph, "members": members, "tiers": {"dram": reading} if reading else {},
@@ -52,9 +52,11 @@ def test_fit_recovers_the_physics_a_step_log_was_made_with() -> None:
         + [_row("warmup", 1, 1, [])]
         + [_row("eager", n, 1, [s]) for n in (0, 1, 2) for s in (3, 7)]
         + [_row("eager", 1, 0, [0]), _row("eager", 0, 1, [0, 5]), _row("eager", 2, 0, [0])]
+        + [_row("eager", 1, 0, [19]), _row("eager", 2, 1, [19, 4])]
     )  # fmt: skip
     got = physics.fit(rows, EST, PX, 20, 0.2, NB, outside_ms=480.0, source="synthetic")
-    for name in ("replay_scale", "new_composition_ms", "eager_scale", "pin_ms_per_gb"):
+    for name in ("replay_scale", "new_composition_ms", "eager_scale", "pin_ms_per_gb",
+                 "commit_ms_per_gb"):  # fmt: skip
         assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=1e-9), name
     assert got.outside_ms == 480.0 and got.source == "synthetic"
 

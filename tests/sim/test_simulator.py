@@ -83,10 +83,11 @@ def test_host_tiers_demote_drop_and_promote() -> None:
 
 def _zipf_run(policy: str, ideal: bool = False, seed: int = 3) -> object:
     """2 hosts x 2 GPUs, 40 templates, each host's DRAM 10 % of the catalogue, no disk tier, at
-    about half the ideal fleet's capacity."""
+    1.5 edits/s: most edits miss, and each miss's capture costs its loop ≈ 2.9 s beyond its
+    steps (the profile's capture fit), so the fleet is loaded but not overrun."""
     cat = Catalogue.zipf(40, 1.0, NB, seed)
     rng = np.random.default_rng(seed)
-    times, _ = workload.offsets_ms(rng, rate=4.0, n=160)
+    times, _ = workload.offsets_ms(rng, rate=1.5, n=160)
     arrivals = workload.make_arrivals(cat, times, "hist:traces/mask_ratios_mean011.json", 1024,
                                       1024, STRIDES, rng)  # fmt: skip
     cl = Cluster(2, 2, 4 * NB, 0, ideal=ideal)
