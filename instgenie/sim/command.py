@@ -79,6 +79,9 @@ def add_simulate_parser(sub) -> None:  # noqa: ANN001 - argparse subparsers
     a("--physics", type=Path, default=None,
       help="a served loop's step times (bench/calibrate_sim.py's JSON); latencies then include "
       "its time outside the loop. Default: each step takes the profile's price")  # fmt: skip
+    a("--step-noise", action="store_true",
+      help="with --physics: draw each step's time about its fitted one (the physics' spread, "
+      "seeded by --seed); default: every step takes its fitted time")  # fmt: skip
     a("--seed", type=int, default=0)
     a("--out", type=Path, default=None, help="directory for report.json and latency.png")
     p.set_defaults(func=run)
@@ -104,8 +107,11 @@ def build(args: argparse.Namespace) -> tuple[Scenario, dict]:
     info: dict = {"template_bytes": nbytes, "catalogue_bytes": total, "dram_bytes": dram,
                   "disk_bytes": disk}  # fmt: skip
     physics = StepPhysics.load(args.physics) if args.physics is not None else None
+    if args.step_noise and physics is None:
+        raise SystemExit("simulate: --step-noise needs --physics (the spread it draws from)")
     base = Scenario(spec, cluster, cat, [], args.size, args.size, args.steps,
-                    warmup_ms=1e3 * args.warmup_s, physics=physics)  # fmt: skip
+                    warmup_ms=1e3 * args.warmup_s, physics=physics,
+                    seed=args.seed if args.step_noise else None)  # fmt: skip
     # capacity from the same mask distribution (its own stream: the workload is the same
     # whether or not it is measured)
     cap_rng = np.random.default_rng([args.seed, 2])

@@ -17,6 +17,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from instgenie.scheduler.estimate import Estimator
 from instgenie.scheduler.placement import NodeView, place
 from instgenie.scheduler.routing import RoutingPolicy
@@ -49,10 +51,14 @@ class Engine:
         self.hosts = [Host(f"h{h:02d}", HostTiers(cl.dram_bytes, cl.disk_bytes, cl.ideal), nbytes)
                       for h in range(cl.hosts)]  # fmt: skip
         slots = cl.slots or 2 * cl.max_batch
+
+        def rng(i: int) -> np.random.Generator | None:  # worker i's step noise, if drawn
+            return None if sc.seed is None else np.random.default_rng([sc.seed, i])
+
         self.workers = [
-            SimWorker(h * cl.gpus + g, host, self.est, cl.max_batch, slots, sc.guidance, sc.physics)
+            SimWorker(i, host, self.est, cl.max_batch, slots, sc.guidance, sc.physics, rng(i))
             for h, host in enumerate(self.hosts)
-            for g in range(cl.gpus)
+            for i in range(h * cl.gpus, (h + 1) * cl.gpus)
         ]
         self.ideal_tiers: dict[str, str] | None = None
         if cl.ideal:

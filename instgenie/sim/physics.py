@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,6 +47,11 @@ class StepPhysics:
     #: a capture's last step takes this much more per GB of the template's cache (its commit:
     #: staged copies drained, the segment's pages registered), ms
     commit_ms_per_gb: float = 0.0
+    #: spread of a step's time about the above: the standard deviation of log(duration / fitted
+    #: time) of replayed and of eager steps (0: every step takes its fitted time). Used only
+    #: where a simulation draws noise (Scenario.seed)
+    replay_sigma: float = 0.0
+    eager_sigma: float = 0.0
     #: each request's time outside the loop (pre/post-processing, HTTP), ms
     outside_ms: float = 0.0
     #: of it, after the loop is done with a request (post-processing, HTTP): the server counts
@@ -104,6 +110,9 @@ def fit(
         if not r["_captures"] and r["graph"] in ("capture", "warmup"):
             composed.append(r["duration_ms"] - replay_scale * r["_price"])
     gb = template_bytes / 1e9
+    replay_logs = [math.log(r["duration_ms"] / (replay_scale * r["_price"])) for r in rows
+                   if not r["_captures"] and r["graph"] == "replay"]  # fmt: skip
+    eager_logs = [math.log(r["duration_ms"] / (eager_scale * r["_price"])) for r in eager]
 
     def per_gb(rs: list[dict], step: int) -> float:
         """Median extra over an eager step per GB of the captures at `step`, ms (≥ 0)."""
@@ -117,6 +126,8 @@ def fit(
         eager_scale=eager_scale,
         pin_ms_per_gb=per_gb(pin, 0),
         commit_ms_per_gb=per_gb(commit, last),
+        replay_sigma=statistics.pstdev(replay_logs) if len(replay_logs) > 1 else 0.0,
+        eager_sigma=statistics.pstdev(eager_logs) if len(eager_logs) > 1 else 0.0,
         outside_ms=outside_ms,
         post_ms=post_ms,
         source=source,

@@ -54,6 +54,9 @@ class Scenario:
     #: step times of a served loop, fitted from a served run (physics.py); None: each step
     #: takes the profile's price
     physics: StepPhysics | None = None
+    #: with physics: draws each step's time about its fitted one (physics' replay/eager sigmas),
+    #: seeded (one seed, one result); None: every step takes its fitted time
+    seed: int | None = None
 
 
 def simulate(scenario: Scenario, policy: str | RoutingPolicy):  # noqa: ANN201 - engine.Result

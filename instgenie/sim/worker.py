@@ -17,9 +17,12 @@ message arrives); the engine resumes it that much later. Not modelled: CPU pre/p
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from instgenie.scheduler.estimate import Estimator, Work
 from instgenie.scheduler.views import RouteRequest, WorkerView
@@ -95,10 +98,13 @@ class Host:
 
 class SimWorker:
     def __init__(self, index: int, host: Host, est: Estimator, max_batch: int, slots: int,
-                 guidance: float | None, physics: StepPhysics | None = None) -> None:  # fmt: skip
+                 guidance: float | None, physics: StepPhysics | None = None,
+                 rng: np.random.Generator | None = None) -> None:  # fmt: skip
         self.index = index
         #: a served loop's step times (physics.py); None: each step takes its price
         self.physics = physics
+        #: draws each step's noise (physics' sigmas); None: every step takes its fitted time
+        self.rng = rng
         self._last_batch: frozenset[int] = frozenset()  # uids of the last step's batch
         self.host = host
         self.est = est
@@ -181,7 +187,11 @@ class SimWorker:
 
         first = sum(held(j, 0) for j in captures)
         last = sum(held(j, j.work.steps - 1) for j in captures)  # type: ignore[union-attr]
-        return self.physics.step_ms(price, new, first, len(captures), last)
+        ms = self.physics.step_ms(price, new, first, len(captures), last)
+        if self.rng is not None:  # log-normal about the fitted time (its median)
+            sigma = self.physics.eager_sigma if captures else self.physics.replay_sigma
+            ms *= math.exp(self.rng.normal(0.0, sigma)) if sigma > 0 else 1.0
+        return ms
 
     def _spent(self, ms: float) -> float:
         self.busy_ms += ms
