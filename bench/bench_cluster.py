@@ -90,6 +90,9 @@ def main() -> int:
     ap.add_argument("--mask-ratios", default="hist:traces/mask_ratios_mean019.json")
     ap.add_argument("--slo-ms", type=float, default=8000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="edits sent one at a time before the measured phase (loadtest "
+                    "--warmup): each worker's cold start (first batch, first image) out of it")  # fmt: skip
     ap.add_argument("--policies", nargs="+",
                     default=["cache-aware", "mask-aware", "least-loaded"])  # fmt: skip
     ap.add_argument("--cache-base", default="/tmp/igc-bench")
@@ -124,7 +127,8 @@ def main() -> int:
                       "--size", str(args.size), "--steps", str(args.steps),
                       "--templates", str(args.templates), "--rate", str(args.rate),
                       "--requests", str(args.requests), "--mask-ratios", args.mask_ratios,
-                      "--slo-ms", str(args.slo_ms), "--seed", str(args.seed), "--warmup", "0",
+                      "--slo-ms", str(args.slo_ms), "--seed", str(args.seed),
+                      "--warmup", str(args.warmup),
                       "--out", str(out / f"{policy}.json")]  # fmt: skip
                 t0 = time.monotonic()
                 rc = subprocess.call(lt, cwd=ROOT)
