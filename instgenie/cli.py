@@ -180,12 +180,12 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    if args.capture_from:  # no model (no torch): a served run's step log prices its captures
+        return import_module("instgenie.sim.capture_profile").cmd_capture_from(args)
     quiet_libraries()
     from instgenie.engine.family import check_model_config
     from instgenie.engine.profiling import r2_report
 
-    if args.capture_from:  # no model: a served run's step log prices its captures
-        return import_module("instgenie.sim.capture_profile").cmd_capture_from(args)
     model = _model_config(args)
     check_model_config(model)
     base = _stages_base(args.output) if args.stages_only else None

@@ -138,9 +138,11 @@ class Estimator:
         """The step outside its transformer blocks for `rows_pixels` = batch rows * pixels."""
         return fit_ms(self.spec.other, rows_pixels) if self.spec.other is not None else 0.0
 
-    def capture_ms(self, pixels: int) -> float:
-        """What a template's capture run of `pixels` costs its loop beyond its priced steps, ms
-        (the profile's capture fit, from a served step log); 0 without one."""
+    def capture_step_ms(self, pixels: int) -> float:
+        """What a template's capture run of `pixels` costs each step it runs in beyond the
+        step's price, ms: the profile's capture fit (ms against pixels x steps, from a served
+        step log: a capture's bytes, and so its copies, scale with both) per step; 0 without
+        one."""
         if not self.fitted or self.spec.capture is None:
             return 0.0
         return fit_ms(self.spec.capture, pixels)

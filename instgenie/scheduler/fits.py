@@ -5,8 +5,8 @@ per block class ("<kind>:<channels>", spec.block_class) and mode ("cached" = mas
 a cache, "full" = every token), a fit of ms against the block's FLOPs (pricing.batch_flops); per
 load tier ("dram", "disk") a fit of ms against bytes; the rest of the step ("other") against
 batch rows * pixels; the loop's per-request stages ("encode", "decode") against pixels; and
-what a template's capture run costs its loop beyond its priced steps ("capture", against pixels:
-fitted from a served step log, `instgenie profile --capture-from`).
+what a template's capture run costs its loop beyond its priced steps ("capture", against pixels
+x steps: fitted from a served step log, `instgenie profile --capture-from`).
 The same `LinearFit` travels in a worker's CostSpec (spec.py), so the router and the worker's
 planner price with the very fits the profile holds. Pure Python and numpy: scikit-learn is
 imported only by `LinearFit.fit` (profiling).
@@ -84,8 +84,8 @@ class Profile:
     stages: dict[str, LinearFit] = field(default_factory=dict)
     #: a template's capture run in a served loop: what its steps take beyond their price (the
     #: segment's creation, the copies beside the steps, the commit, its batch run eagerly), fit
-    #: of ms against the template's working pixels; None: not fitted (a capture is priced as a
-    #: full-path request alone)
+    #: of ms against the template's working pixels x its steps (its bytes scale with both);
+    #: None: not fitted (a capture is priced as a full-path request alone)
     capture: LinearFit | None = None
 
     def set_stages(self, samples: dict[str, list[tuple[int, float]]]) -> None:

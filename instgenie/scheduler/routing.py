@@ -155,16 +155,17 @@ class CacheAware(MaskAware):
     sent ahead of it, not decoded) joins w's batches too. A held request whose template is not
     ready on w runs the full path and has a capture beside it (priced as one more held request
     with its steps left), once per template: a new edit of that template then runs the full
-    path without starting another. A capture also costs the loop what the worker's profile
-    says a served capture takes beyond its priced steps (Estimator.capture_ms: the segment's
-    creation, its copies, its commit, its batch run eagerly; measured ≈ 3 s for an SDXL 1024²
-    template on an H200, 3x its 20 priced steps), in proportion to the steps it has left; every
-    request in the loop waits for it. The price is the latency the edit adds on w: its own time
-    until decoded plus the delay it causes the edits w holds (their finish times simulated with
-    and without it: a request joining a full batch, or a disk read or a capture slowing its
-    steps, costs them too). Replication follows from the prices: a holding node's price grows
-    with its queue, and once it exceeds a miss elsewhere (full run + capture), the edit goes
-    there and that node captures the template (decision 0034). Ties as mask-aware."""
+    path without starting another. Each step a capture runs in costs that step's batch what the
+    worker's profile says a served capture takes beyond its priced steps, per step
+    (Estimator.capture_step_ms: the segment's creation, its copies, its commit, its batch run
+    eagerly; measured ≈ 2.9 s over 20 steps for an SDXL 1024² template on an H200, 3x their
+    price): the requests batched beside it wait for it, those after it do not. The price is
+    the latency the edit adds on w: its own time until decoded plus the delay it causes the
+    edits w holds (their finish times simulated with and without it: a request joining a full
+    batch, or a disk read or a capture slowing its steps, costs them too). Replication follows
+    from the prices: a holding node's price grows with its queue, and once it exceeds a miss
+    elsewhere (full run + capture), the edit goes there and that node captures the template
+    (decision 0034). Ties as mask-aware."""
 
     name = "cache-aware"
 
@@ -174,27 +175,25 @@ class CacheAware(MaskAware):
         line: list[list] = []  # [work, steps left], in arrival order
         fresh: list[int] = []  # pixels of the requests the loop still has to encode
         building: set[str] = set()  # templates captured on w meanwhile
-        stall = 0.0  # what the captures cost w's loop beyond their priced steps, ms
         for q in w.requests:
             work = self._work(est, q, w)
             left = work.steps - q.steps_done
             if left <= 0:
                 continue  # in post-processing: not in a batch
             if _capturing(q, work, building):
-                line.append([self._capture(est, q), left, False])
+                line.append([self._capture(est, q), left, False, est.capture_step_ms(q.pixels)])
                 fresh += [q.pixels] if q.steps_done == 0 else []
-                stall += est.capture_ms(q.pixels) * left / work.steps
             line.append([work, left])
             fresh += [q.pixels] if q.steps_done == 0 else []
         held = len(line)
-        without = finishes(est, [list(r) for r in line], fresh, w.max_batch, stall)
+        without = finishes(est, [list(r) for r in line], fresh, w.max_batch)
         work = self._work(est, request, w)
         if _capturing(request, work, building):
-            line.append([self._capture(est, request), work.steps, False])
+            extra = est.capture_step_ms(request.pixels)
+            line.append([self._capture(est, request), work.steps, False, extra])
             fresh = fresh + [request.pixels]
-            stall += est.capture_ms(request.pixels)
         line.append([work, work.steps])
-        done = finishes(est, line, fresh + [request.pixels], w.max_batch, stall)
+        done = finishes(est, line, fresh + [request.pixels], w.max_batch)
         # the latency it adds: its own, and the delay it causes the edits held there
         added = sum(done[i] - without[i] for i in range(held) if len(line[i]) < 3)
         return done[-1] + added
@@ -242,19 +241,20 @@ def finish_ms(
         line = [r for r in line if r[1] > 0]
 
 
-def finishes(est: Estimator, line: list[list], fresh: list[int], max_batch: int,
-             stall_ms: float = 0.0) -> list[float]:  # fmt: skip
+def finishes(est: Estimator, line: list[list], fresh: list[int], max_batch: int) -> list[float]:
     """finish_ms's simulation run until every request of `line` has left: each one's time until
-    it is decoded (a capture's: until it leaves), ms, in `line`'s order; `stall_ms` of the loop's
-    time (captures' costs beyond their priced steps) delays every one. Mutates `line`."""
+    it is decoded (a capture's: until it leaves), ms, in `line`'s order. An entry is [work,
+    steps left], or [work, steps left, decoded?, extra ms per step] (a capture: its steps cost
+    their batch that much more). Mutates `line`."""
     out = [0.0] * len(line)
     todo = list(range(len(line)))
     B = max_batch if max_batch > 0 else max(1, len(line))
-    t = stall_ms + sum(est.stage_ms("encode", px) for px in fresh)
+    t = sum(est.stage_ms("encode", px) for px in fresh)
     while todo:
         running = todo[:B]
         k = min(line[i][1] for i in running)
-        t += k * est.step_ms([line[i][0] for i in running])
+        extra = sum(line[i][3] for i in running if len(line[i]) > 3)
+        t += k * (est.step_ms([line[i][0] for i in running]) + extra)
         leaving = []
         for i in running:
             line[i][1] -= k

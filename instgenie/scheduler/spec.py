@@ -60,7 +60,7 @@ class CostSpec:
     stages: dict[str, LinearFit] = field(default_factory=dict)
     profile: str = ""  # the profile file's path, "" if none
     #: a template capture run's cost to its loop beyond its priced steps, fit of ms against
-    #: pixels (Profile.capture); None: not in the profile
+    #: pixels x steps (Profile.capture); None: not in the profile
     capture: LinearFit | None = None
 
 

@@ -3,9 +3,10 @@
 A template's capture run costs a served loop more than its priced steps: the DRAM segment's
 creation at its first step, the staged copies beside every step, the commit at its last, and its
 batch run eagerly (no graph replay). The cache-aware router prices a miss with it
-(Estimator.capture_ms), so a profile carries it as `Profile.capture`: a fit of ms against the
-template's working pixels, through the origin (a capture's bytes are proportional to its pixels),
-its slope the median over the log's complete captures (physics.capture_costs). The profiler's
+(Estimator.capture_step_ms), so a profile carries it as `Profile.capture`: a fit of ms against
+the template's working pixels x its steps, through the origin (a capture's bytes, and so its
+copies, are proportional to both), its slope the median over the log's complete captures
+(physics.capture_costs) divided by the run's pixels x steps. The profiler's
 isolated timings cannot see this cost; a served step log (`instgenie serve --step-log`) shows it.
 """
 
@@ -49,7 +50,7 @@ def fit_capture(profile_path: str | Path, step_log: str | Path, size: int | None
             "(serve with --step-log and register a template)",
         )  # fmt: skip
     ms = statistics.median(costs)
-    prof.capture = LinearFit(ms / pixels, 0.0, 0.0, len(costs))
+    prof.capture = LinearFit(ms / (pixels * steps), 0.0, 0.0, len(costs))
     prof.meta = dict(prof.meta, capture_samples=[round(c, 1) for c in costs],
                      capture_meta={"step_log": str(step_log), "pixels": pixels, "steps": steps,
                                    "mask_ratio": mask_ratio})  # fmt: skip
@@ -58,12 +59,19 @@ def fit_capture(profile_path: str | Path, step_log: str | Path, size: int | None
 
 def cmd_capture_from(args: argparse.Namespace) -> int:
     """`instgenie profile -o PROFILE --capture-from STEP_LOG`: rewrite PROFILE with its capture
-    fit (written whole or not at all)."""
+    fit (written whole or not at all). The flags of a timing run are refused with it (the
+    model is the profile's own: --model and the execution flags are not read)."""
+    timing = [f for f, given in (("--stages-only", args.stages_only),
+                                 ("--disk-dir", args.disk_dir is not None)) if given]  # fmt: skip
+    if timing:
+        raise ValidationError(
+            "capture_from", f"--capture-from loads no model; {', '.join(timing)} cannot go with it"
+        )
     prof = fit_capture(args.output, args.capture_from, args.size, args.capture_steps,
                        args.capture_mask_ratio)  # fmt: skip
     with PendingOutput(Path(args.output)) as pending:
         pending.commit(json.dumps(prof.to_json(), indent=1).encode())
     assert prof.capture is not None
-    print(f"capture: {prof.capture.slope * 1e6:.1f} ms/Mpx, {prof.capture.n} captures "
+    print(f"capture: {prof.capture.slope * 1e6:.1f} ms/Mpx per step, {prof.capture.n} captures "
           f"(median of {prof.meta['capture_samples']} ms); wrote {args.output}")  # fmt: skip
     return 0

@@ -156,20 +156,24 @@ def capture_costs(steps: Iterable[dict], est: Estimator, pixels: int, num_steps:
                   mask_ratio: float) -> list[float]:  # fmt: skip
     """What each template capture run of a served step log cost its loop beyond its priced
     steps, ms: over the steps it ran in, each step's duration less its price (`_priced`),
-    shared equally among the captures in that step. Only captures whose `num_steps` steps are
-    all in the log count (one that started before the log, or was cut off, does not)."""
-    runs: dict[tuple[str, int], list[float]] = {}
-    seen: dict[str, int] = {}  # capture uid -> runs of it started so far
-    for r in _priced(steps, est, pixels, num_steps, mask_ratio):
+    shared equally among the captures in that step. A run is one worker's (the log interleaves
+    the workers' steps, and a template is often captured on two). Only runs whose `num_steps`
+    steps are all in the log count (one that started before the log, or was cut off, does
+    not), and not those that started in their worker's first logged step: the registrations at
+    start, whose step pays the process's cold start and which no edit is routed beside."""
+    runs: dict[tuple, list[float]] = {}
+    started: dict[tuple, tuple] = {}  # (worker, capture uid) -> the key of its current run
+    first: dict[tuple, int] = {}  # worker -> the index of its first logged step
+    for i, r in enumerate(_priced(steps, est, pixels, num_steps, mask_ratio)):
+        worker = (r.get("node"), r.get("worker"))
+        first.setdefault(worker, i)
         caps = [(u, s) for u, s in r["members"] if u.startswith(CAPTURE_UID_PREFIX)]
         for uid, step in caps:
-            if step == 0:
-                seen[uid] = seen.get(uid, 0) + 1
-            if uid in seen:
-                runs.setdefault((uid, seen[uid]), []).append(
-                    (r["duration_ms"] - r["_price"]) / len(caps)
-                )
-    return [sum(v) for v in runs.values() if len(v) == num_steps]
+            if step == 0:  # a new run; one at its worker's first step is not counted
+                started[(worker, uid)] = (worker, uid, i, first[worker] == i)
+            if (key := started.get((worker, uid))) is not None:
+                runs.setdefault(key, []).append((r["duration_ms"] - r["_price"]) / len(caps))
+    return [sum(v) for k, v in runs.items() if len(v) == num_steps and not k[-1]]
 
 
 def post_ms(rows: Iterable[dict]) -> float:

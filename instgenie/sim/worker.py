@@ -175,9 +175,9 @@ class SimWorker:
         """The running batch's next step: its price (Estimator.step_ms), as `physics` turns a
         price into a served loop's step time."""
         price = self.est.step_ms([j.work for j in self.running])  # type: ignore[misc]
-        if self.physics is None:  # a capture's cost beyond its steps, as the router prices it
-            fresh = [j for j in self.running if j.capture and j.steps_done == 0]
-            return price + sum(self.est.capture_ms(j.pixels) for j in fresh)
+        if self.physics is None:  # captures' costs beyond their steps, as the router prices them
+            caps = [j for j in self.running if j.capture and not j.no_room]
+            return price + sum(self.est.capture_step_ms(j.pixels) for j in caps)
         batch = frozenset(j.uid for j in self.running)
         new, self._last_batch = batch != self._last_batch, batch
         captures = [j for j in self.running if j.capture]

@@ -79,12 +79,15 @@ def test_a_capture_in_flight_is_priced_once_per_template() -> None:
     # edit (full path); the price is the new edit's finish plus the delay it adds to the held one
     est = Estimator(SDXL)
     full = est.work(PX, 20, None, None, None)
-    line = lambda: [[full, 17, False], [full, 17]]  # noqa: E731
-    stall = est.capture_ms(PX) * 17 / 20  # the capture's cost beyond its steps, 17 of 20 left
-    assert stall > 1000.0  # the profile's capture fit (≈ 2.9 s for 20 steps at 1024²)
-    without = finishes(est, line(), [], 8, stall)
-    done = finishes(est, [*line(), [full, 20]], [PX], 8, stall)
+    extra = est.capture_step_ms(PX)  # the capture's cost beyond each of its steps' price
+    assert 100.0 < extra < 200.0  # the profile's capture fit: ≈ 2.9 s over 20 steps at 1024²
+    line = lambda: [[full, 17, False, extra], [full, 17]]  # noqa: E731
+    without = finishes(est, line(), [], 8)
+    done = finishes(est, [*line(), [full, 20]], [PX], 8)
     assert same == pytest.approx(done[2] + done[1] - without[1])
+    # the capture's 17 steps cost every request batched beside them 17 * extra more
+    plain = finishes(est, [[full, 17, False], [full, 17]], [], 8)
+    assert without[1] == pytest.approx(plain[1] + 17 * extra)
 
 
 def test_routes_to_the_holding_node_until_its_queue_outgrows_a_miss() -> None:

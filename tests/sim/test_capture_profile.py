@@ -49,6 +49,21 @@ def test_capture_costs_are_the_steps_beyond_their_price_of_whole_captures() -> N
     assert physics.capture_costs(_log(150.0, est, steps=19), est, PX, 20, 0.2) == []
 
 
+def test_capture_runs_are_each_workers_and_a_cold_start_is_not_one() -> None:
+    """The log interleaves workers: the same template captured on two of them is two runs (each
+    20 steps), and a capture in a worker's first logged step (a registration at start, beside
+    the process's cold start) is not counted."""
+    est = Estimator(profile_spec(PROFILE))
+    a = [dict(r, worker=0, node="n0") for r in _log(100.0, est)]
+    b = [dict(r, worker=1, node="n1") for r in _log(200.0, est)]
+    mixed = [r for pair in zip(a, b, strict=True) for r in pair]
+    assert sorted(physics.capture_costs(mixed, est, PX, 20, 0.2)) == [
+        pytest.approx(2000.0), pytest.approx(4000.0)]  # fmt: skip
+    cold = [dict(r, worker=2, node="n2") for r in _log(500.0, est)[3:]]  # starts with a capture
+    assert physics.capture_costs(cold, est, PX, 20, 0.2) == []
+    assert len(physics.capture_costs(mixed + cold, est, PX, 20, 0.2)) == 2
+
+
 def test_profile_capture_from_writes_the_fit_the_router_prices_a_miss_with(
     tmp_path: Path, capsys
 ) -> None:  # noqa: ANN001
@@ -56,7 +71,7 @@ def test_profile_capture_from_writes_the_fit_the_router_prices_a_miss_with(
     base = Profile.load_file(PROFILE)
     path.write_text(json.dumps(dict(base.to_json(), capture=None)))
     est = Estimator(profile_spec(path))
-    assert est.capture_ms(PX) == 0.0
+    assert est.capture_step_ms(PX) == 0.0
     log = tmp_path / "steps.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in _log(150.0, est)))
     args = ["profile", "-o", str(path), "--capture-from", str(log), "--size", "1024"]
@@ -66,7 +81,7 @@ def test_profile_capture_from_writes_the_fit_the_router_prices_a_miss_with(
         base.compute, base.load, base.other, base.stages)  # fmt: skip
     assert new.capture.n == 1 and new.meta["capture_samples"] == [3000.0]
     spec = profile_spec(path)
-    assert Estimator(spec).capture_ms(PX) == pytest.approx(3000.0)
+    assert Estimator(spec).capture_step_ms(PX) == pytest.approx(3000.0 / 20)
     # the router's price of a miss on an idle worker grows by the capture's cost
     req = RouteRequest(template_id="t", num_steps=20, pixels=PX,
                        token_ratios=((16, 0.2), (32, 0.2)))  # fmt: skip
