@@ -92,7 +92,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=0,
                     help="edits sent one at a time before the measured phase (loadtest "
-                    "--warmup): each worker's cold start (first batch, first image) out of it")  # fmt: skip
+                    "--warmup): each worker's cold start out of it")  # fmt: skip
     ap.add_argument("--policies", nargs="+",
                     default=["cache-aware", "mask-aware", "least-loaded"])  # fmt: skip
     ap.add_argument("--cache-base", default="/tmp/igc-bench")

@@ -82,13 +82,13 @@ def test_profile_capture_from_writes_the_fit_the_router_prices_a_miss_with(
     assert new.capture.n == 1 and new.meta["capture_samples"] == [3000.0]
     spec = profile_spec(path)
     assert Estimator(spec).capture_step_ms(PX) == pytest.approx(3000.0 / 20)
-    # the router's price of a miss on an idle worker grows by the capture's cost
+    # the router's price of a miss on an idle worker grows by its share of the capture's cost
     req = RouteRequest(template_id="t", num_steps=20, pixels=PX,
                        token_ratios=((16, 0.2), (32, 0.2)))  # fmt: skip
     idle = dict(in_flight=0, slots=16, max_batch=8)
     before = CacheAware().cost_ms(req, WorkerView(0, "cuda:0", cost=est.spec, **idle))
     after = CacheAware().cost_ms(req, WorkerView(0, "cuda:0", cost=spec, **idle))
-    assert after == pytest.approx(before + 3000.0)
+    assert after == pytest.approx(before + 3000.0 * CacheAware.capture_share)
     # a log without a whole capture, or no log: refused, the profile as it was
     written = path.read_bytes()
     log.write_text("".join(json.dumps(r) + "\n" for r in _log(150.0, est, steps=19)))

@@ -55,7 +55,8 @@ def test_an_unloaded_edit_takes_the_estimators_unloaded_price() -> None:
 def test_a_miss_runs_the_full_path_beside_its_capture_and_fills_dram() -> None:
     """An edit of a template its host does not hold: its capture runs in the same batches, the
     edit takes the full path, the capture commits to DRAM; the router's price of the miss on the
-    idle worker is what the simulation takes."""
+    idle worker, with the capture's whole cost (capture_share 1: the loop pays all of it), is
+    what the simulation takes; the default router charges the edit a share of it."""
     sc = _one(0, 0.125)
     sc = dataclasses.replace(sc, initial={})  # nothing resident
     engine = Engine(sc, CacheAware())
@@ -64,9 +65,11 @@ def test_a_miss_runs_the_full_path_beside_its_capture_and_fills_dram() -> None:
     (job,) = result.requests
     assert job.tier is None and job.triggered_capture and result.captures == 1
     assert result.hosts[0].tiers.tier(sc.catalogue.ids[0]) == "dram"
-    price = CacheAware().cost_ms(job.route, view)
+    in_full = CacheAware()
+    in_full.capture_share = 1.0
+    price = in_full.cost_ms(job.route, view)
     assert job.finish_ms - job.arrival_ms == pytest.approx(price, rel=1e-9)
-    assert price > unloaded_ms(sc, 1.0, None)  # more than the full run alone
+    assert unloaded_ms(sc, 1.0, None) < CacheAware().cost_ms(job.route, view) < price
 
 
 def test_host_tiers_demote_drop_and_promote() -> None:
