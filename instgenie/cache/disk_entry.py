@@ -12,7 +12,7 @@ import os
 import stat
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from instgenie.cache.disk_format import (
@@ -233,8 +233,13 @@ class EntryReader:
         if len(chunks) == 1:
             self._read_chunk(chunks[0], base, out)
         else:
-            for fut in [_read_pool().submit(self._read_chunk, c, base, out) for c in chunks]:
-                fut.result()  # the first failure raises (the others finish: out stays valid)
+            futs = [_read_pool().submit(self._read_chunk, c, base, out) for c in chunks]
+            # every chunk's read ends before the step returns or raises: a failure closes the
+            # file (the caller's reader), and a read still in flight on a closed, maybe reused,
+            # descriptor would fail (counted corrupt again) or read another file
+            wait(futs)
+            for fut in futs:
+                fut.result()  # the first failure raises
         self.tier._count(bytes_read=n)
 
     def _read_chunk(self, chunk: tuple[int, int, int], base: int, out: memoryview) -> None:

@@ -139,6 +139,9 @@ def test_long_encode_is_busy_not_stalled_until_the_stage_limit(tmp_path: Path) -
         # restarts, the stats show it busy for longer than the stall limit
         running = c.edit(**_fields("busy-a", 200, seed=1))
         _wait_progress(running, 2)
+        # stats are the last heartbeat's: wait for one after busy-a's own encode, so that the
+        # busy time seen next is busy-b's (a stale report of busy-a's encode passed for it)
+        _wait_stat(c, "loop_busy_s", 0.0)
         slow = c.edit(**_fields("busy-b", 2, seed=2, prompt="FAULT-SLOWENC"))
         _encode_started(c, loop)
         deadline = time.monotonic() + stage_s  # past it the loop would be killed: a failure
