@@ -166,6 +166,10 @@ class WorkerConfig:
     #: torch device of the pre/post processes' encoders and VAE (model_stages="process"); "" =
     #: the model's device
     stage_device: str = ""
+    #: run a private template through capture, masked edits and VAE decode before reporting
+    #: ready, so the first requests do not pay the cold start (worker/warmup.py): "auto" (on
+    #: CUDA), "on", "off"; not with model_stages="process" (the loop cannot encode)
+    warmup: str = "auto"
     #: a child that has not loaded its model parts after this long, seconds, is restarted
     start_timeout_s: float = 900.0
     #: seconds between heartbeats of each child process
@@ -219,6 +223,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.model_stages not in ("loop", "process"):
             raise ValueError(f"model_stages: {self.model_stages!r} is not one of loop, process")
+        if self.warmup not in ("auto", "on", "off"):
+            raise ValueError(f"warmup: {self.warmup!r} is not one of auto, on, off")
         for name in _AT_LEAST_ONE:
             value = getattr(self, name)
             if not value >= 1:

@@ -17,6 +17,7 @@ on receipt, decode on retire), with "process" only the backbone (UNet / transfor
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections import deque
@@ -52,11 +53,14 @@ from instgenie.messages import (
 from instgenie.scheduler.batching import get_policy
 from instgenie.tensorshm import pack, release, unpack
 from instgenie.wire import Message
+from instgenie.worker import warmup
 from instgenie.worker.batcher import Batcher, Retired
 from instgenie.worker.child_runtime import ChildRuntime, release_bundles, resolve_device_budget
 from instgenie.worker.names import CAPTURE_PREFIX
 from instgenie.worker.stages import Stages, capture_uid, failure
 from instgenie.worker.state_wire import from_parts, inputs_from_parts, to_parts
+
+log = logging.getLogger(__name__)
 
 #: how often, ms, a loop checks on captures another process of the host is running
 AWAIT_POLL_MS = 100
@@ -473,6 +477,11 @@ def run(rt: ChildRuntime) -> None:
     stages_here = inline or rt.wcfg.model_stages == "loop"
     pipe = rt.pipeline("all" if stages_here else "backbone", rt.config.model.device,
                        device_tier=True)  # fmt: skip
+    if stages_here and warmup.wanted(rt.wcfg.warmup, rt.config.model.device):
+        try:
+            log.info("warmed up before ready: %s", warmup.warm_up(pipe, rt.wcfg.max_batch))
+        except Exception:  # the first request meets the same fault, as a typed error
+            log.exception("warm-up failed; serving cold")
     resolve_device_budget(rt.config, pipe.store)  # after the model's load and warm-up
     if not inline:
         forbid_codec_in_this_process()
