@@ -83,6 +83,7 @@ def warm_up(pipe: EditPipeline, max_batch: int) -> WarmupReport:
         images = scratch.decode_latents(done)
     masked = sum(s.path is Path.MASKED for s in done[1:])
     fam.masked.graphs.clear()  # their static buffers point into the scratch store
+    fam.masked.last_context = None  # its requests hold scratch cache handles
     del scratch, capture, alone, together, done
     if fam.device.type == "cuda":
         torch.cuda.synchronize(fam.device)

@@ -5,7 +5,9 @@ graph is kept, and an edit served after it is bit-identical to one on a model ne
 
 from __future__ import annotations
 
+import gc
 import uuid
+import weakref
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 from instgenie.cache.budgets import cache_namespace
 from instgenie.cache.host_store import HostActivationStore
 from instgenie.cache.shm_segment import SHM_DIR, cleanup
+from instgenie.cache.store import InMemoryStore
 from instgenie.cache.tiered import TieredStore
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
@@ -61,10 +64,27 @@ def test_warm_up_runs_the_serving_paths_and_leaves_nothing(family: str, tmp_path
     assert torch.equal(warmed[0], cold[0])
 
 
-def test_warm_up_with_one_request_per_batch(family: str) -> None:
+def test_warm_up_with_one_request_per_batch_frees_its_scratch_cache(
+    family: str, monkeypatch
+) -> None:
+    """Nothing keeps the warm-up template's cache (on a GPU: device memory) alive once the
+    warm-up returns, graph form included: the device tier sizes itself from the memory free
+    then."""
+    refs: list[weakref.ref] = []
+
+    class Recorded(InMemoryStore):
+        def open(self, key: str):
+            entry = self._ready[key]
+            refs.extend(weakref.ref(t) for t in (entry, *entry.stacked.values()))
+            return super().open(key)
+
+    monkeypatch.setattr(warmup, "InMemoryStore", Recorded)
     pipe = tiny_pipeline(family)
+    pipe.family.masked.graphs.force_static = True
     report = warmup.warm_up(pipe, max_batch=1)
     assert (report.steps, report.masked, report.decoded) == (3 * warmup.WARMUP_STEPS, 2, 3)
+    gc.collect()
+    assert refs and not [r for r in refs if r() is not None], "the scratch cache outlived it"
 
 
 @pytest.mark.parametrize(
