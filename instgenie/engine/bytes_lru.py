@@ -11,7 +11,8 @@ count hits and misses in their own lookups.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
@@ -52,6 +53,18 @@ class BytesLRU(Generic[V]):
         hit = self._entries.pop(key, None)
         if hit is not None:
             self.bytes -= hit[1]
+
+    @contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Inside it lookups and keeps run as usual; on exit the entries kept inside are dropped
+        and the counters are what they were (a worker's warm-up leaves the cache as found)."""
+        keys, counts = set(self._entries), (self.hits, self.misses, self.evictions)
+        try:
+            yield
+        finally:
+            for key in [k for k in self._entries if k not in keys]:
+                self.discard(key)
+            self.hits, self.misses, self.evictions = counts
 
     def clear(self) -> None:
         self._entries.clear()

@@ -478,10 +478,9 @@ def run(rt: ChildRuntime) -> None:
     pipe = rt.pipeline("all" if stages_here else "backbone", rt.config.model.device,
                        device_tier=True)  # fmt: skip
     if stages_here and warmup.wanted(rt.wcfg.warmup, rt.config.model.device):
-        try:
-            log.info("warmed up before ready: %s", warmup.warm_up(pipe, rt.wcfg.max_batch))
-        except Exception:  # the first request meets the same fault, as a typed error
-            log.exception("warm-up failed; serving cold")
+        report = warmup.warm_up(pipe, rt.wcfg.max_batch)  # None: failed, logged
+        if report is not None:
+            log.info("warmed up before ready: %s", report)
     resolve_device_budget(rt.config, pipe.store)  # after the model's load and warm-up
     if not inline:
         forbid_codec_in_this_process()

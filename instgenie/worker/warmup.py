@@ -7,13 +7,15 @@ first VAE decode took 2.2-2.4 s, so the first two edits of each worker took 2.6-
 1 s. The router cannot price that, and a client sees it after every restart or scale-out.
 
 Before `ready`, the loop runs a private template through the paths serving takes, at the
-family's default size and the config's step count (WARMUP_STEPS): the capture run (prompt and
-VAE encode, full steps, the cache writer), one masked edit alone and two masked edits in one
-batch (each composition's graph warm-up, capture and replays on CUDA), the VAE decode whole (the
-capture) and cropped (the edits). It runs against a scratch in-memory store on the loop's device
-with its own pipeline over the same model: the node's cache tiers, the loop's step log and its
-templates are untouched. The scratch store and the compositions' graphs are dropped before the
-device tier sizes itself from free memory; the measured call costs and "this batch shape was
+family's default size (or the largest the limits allow) and WARMUP_STEPS steps: the capture run
+(prompt and VAE encode, full steps, the cache writer), one masked edit alone and two masked edits
+in one batch (each composition's graph warm-up, capture and replays on CUDA), the VAE decode
+whole (the capture) and cropped where the crop applies (the edits; decision 0044). It runs
+against a scratch in-memory store on the loop's device with its own pipeline over the same
+model: the node's cache tiers, the loop's step log and its templates are untouched, and the
+prompt cache and the cropped decoder's statistics are left as found (entries and counters). The
+scratch store and the compositions' graphs are dropped before the device tier sizes itself from
+free memory, also when the warm-up fails; the measured call costs and "this batch shape was
 captured" (engine/graphs.py) are kept, so the first real composition of a warmed shape is
 captured on its first call.
 
@@ -23,8 +25,13 @@ With model_stages="process" the loop holds the backbone alone and cannot build a
 
 from __future__ import annotations
 
+import gc
 import logging
+import math
 import time
+import traceback
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -60,35 +67,74 @@ def wanted(setting: str, device: str) -> bool:
     return setting == "on" or (setting == "auto" and torch.device(device).type == "cuda")
 
 
-def warm_up(pipe: EditPipeline, max_batch: int) -> WarmupReport:
-    """Run the warm-up on `pipe`'s model (see the module doc); raises what the model raises.
-    `max_batch`: the loop's bound (one edit when it is 1)."""
+def warm_up(pipe: EditPipeline, max_batch: int) -> WarmupReport | None:
+    """Run the warm-up on `pipe`'s model (see the module doc); `max_batch`: the loop's bound
+    (one edit at a time when it is 1). None when it failed: logged, and the worker serves cold
+    (the first request meets the fault as a typed error). Either way nothing of it is left: the
+    prompt cache and the cropped decoder's statistics as found, no graph, no scratch memory."""
     t0 = time.perf_counter()
     fam = pipe.family
-    scratch = EditPipeline(fam, pipe.limits, InMemoryStore(fam.device), pipe.profile)
-    side = fam.default_size
-    key = scratch.register_template(
-        TemplateSpec(image=_scene(side), prompt="a grey wall", num_inference_steps=WARMUP_STEPS)
-    )
-    steps = 0
-    with torch.inference_mode():
-        capture = scratch.capture_state(key)
-        assert capture is not None  # a fresh scratch store holds nothing
-        steps += _run(scratch, [capture])
-        alone = _edit(scratch, key, 0, side)
-        steps += _run(scratch, [alone])
-        together = [_edit(scratch, key, i, side) for i in range(min(max_batch, len(MASK_BOXES)))]
-        steps += _run(scratch, together)
-        done = [capture, alone, *together]
-        images = scratch.decode_latents(done)
-    masked = sum(s.path is Path.MASKED for s in done[1:])
+    report = None
+    with _as_found(fam):
+        try:
+            steps, masked, decoded = _exercise(pipe, max_batch)
+            report = WarmupReport(steps, masked, decoded, 1e3 * (time.perf_counter() - t0))
+        except Exception:  # as text: a handler keeping the record must not keep its frames
+            log.error("warm-up failed; serving cold\n%s", traceback.format_exc())
+    # out of the except clause: its traceback (holding the scratch states) is gone
     fam.masked.graphs.clear()  # their static buffers point into the scratch store
     fam.masked.last_context = None  # its requests hold scratch cache handles
-    del scratch, capture, alone, together, done
+    gc.collect()
     if fam.device.type == "cuda":
         torch.cuda.synchronize(fam.device)
         torch.cuda.empty_cache()
-    return WarmupReport(steps, masked, len(images), 1e3 * (time.perf_counter() - t0))
+    return report
+
+
+@contextmanager
+def _as_found(fam) -> Iterator[None]:
+    """The family's caches and counters that requests read, left as they were on exit."""
+    with ExitStack() as stack:
+        stack.enter_context(fam.prompts.untracked())
+        cropped = fam.cropped
+        if cropped is not None:
+            stack.enter_context(cropped.states.untracked())
+            counts = cropped.counts.copy()
+            stack.callback(lambda: setattr(cropped, "counts", counts))
+        yield
+
+
+def _exercise(pipe: EditPipeline, max_batch: int) -> tuple[int, int, int]:
+    """(denoising steps, edits that ran masked, images decoded) of the warm-up's runs."""
+    fam = pipe.family
+    scratch = EditPipeline(fam, pipe.limits, InMemoryStore(fam.device), pipe.profile)
+    side, steps = _size(pipe), min(WARMUP_STEPS, pipe.limits.max_steps)
+    key = scratch.register_template(
+        TemplateSpec(image=_scene(side), prompt="a grey wall", num_inference_steps=steps)
+    )
+    ran = 0
+    with torch.inference_mode():
+        capture = scratch.capture_state(key)
+        assert capture is not None  # a fresh scratch store holds nothing
+        ran += _run(scratch, [capture])
+        alone = _edit(scratch, key, "alone", MASK_BOXES[0], side, steps)
+        ran += _run(scratch, [alone])
+        together = [_edit(scratch, key, f"batched-{i}", box, side, steps)
+                    for i, box in enumerate(MASK_BOXES[:max_batch])]  # fmt: skip
+        ran += _run(scratch, together)
+        done = [capture, alone, *together]
+        images = scratch.decode_latents(done)
+    return ran, sum(s.path is Path.MASKED for s in done[1:]), len(images)
+
+
+def _size(pipe: EditPipeline) -> int:
+    """The family's default side, or the largest multiple of its granule within the
+    limits' pixel cap when that is smaller."""
+    fam, cap = pipe.family, pipe.limits.max_image_pixels
+    side = fam.default_size
+    if side * side > cap:
+        side = max(fam.granule, math.isqrt(cap) // fam.granule * fam.granule)
+    return side
 
 
 def _run(pipe: EditPipeline, batch: list[RequestState]) -> int:
@@ -100,9 +146,9 @@ def _run(pipe: EditPipeline, batch: list[RequestState]) -> int:
     return steps
 
 
-def _edit(pipe: EditPipeline, key: str, i: int, side: int) -> RequestState:
-    req = EditRequest(uid=f"warmup-{i}", image=None, mask=_mask(side, MASK_BOXES[i]),
-                      prompt="a red shirt", seed=i, num_inference_steps=WARMUP_STEPS,
+def _edit(pipe: EditPipeline, key: str, name: str, box: tuple, side: int, steps: int):
+    req = EditRequest(uid=f"warmup-{name}", image=None, mask=_mask(side, box),
+                      prompt="a red shirt", seed=len(name), num_inference_steps=steps,
                       template_id=key)  # fmt: skip
     return pipe.preprocess(req)
 

@@ -5,6 +5,7 @@ graph is kept, and an edit served after it is bit-identical to one on a model ne
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import uuid
 import weakref
@@ -21,7 +22,7 @@ from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
 from instgenie.worker import warmup
-from tests.conftest import make_image, make_mask, png_bytes, tiny_pipeline
+from tests.conftest import make_image, make_mask, png_bytes
 
 
 def _edit_after_capture(pipe: EditPipeline) -> tuple[torch.Tensor, str]:
@@ -37,39 +38,48 @@ def _edit_after_capture(pipe: EditPipeline) -> tuple[torch.Tensor, str]:
     return state.latents, state.path.value
 
 
+def _fresh(family: str, store=None) -> EditPipeline:
+    """A pipeline on a model of its own (tiny_pipeline's is shared by the session), running
+    the graph form's static buffers without CUDA."""
+    fam = EditPipeline.load(f"{family}:tiny").family
+    fam.masked.graphs.force_static = True
+    return EditPipeline(fam, store=store)
+
+
 def test_warm_up_runs_the_serving_paths_and_leaves_nothing(family: str, tmp_path) -> None:
     ns = uuid.uuid4().hex[:10]
     tiered = TieredStore(tmp_path, ns, 256 << 20, 0, disk_enabled=False)
     try:
-        store = HostActivationStore(tiered, tmp_path)
-        pipe = EditPipeline(tiny_pipeline(family).family, store=store)
-        graphs = pipe.family.masked.graphs
-        graphs.force_static = True  # the graph form's static buffers without CUDA
+        pipe = _fresh(family, HostActivationStore(tiered, tmp_path))
+        fam, graphs = pipe.family, pipe.family.masked.graphs
+        prompts = fam.prompts.stats()
         report = warmup.warm_up(pipe, max_batch=8)
         # a capture run, one edit alone, two together: every edit read the scratch cache
         assert report.steps == 3 * warmup.WARMUP_STEPS
         assert report.masked == 1 + len(warmup.MASK_BOXES)
-        assert report.decoded == 2 + len(warmup.MASK_BOXES)  # the capture's whole, edits cropped
+        assert report.decoded == 2 + len(warmup.MASK_BOXES)
         # every edit step took the graph form (a capture run never does: its outputs are written)
         assert graphs.counters["warmup"] == 2 * warmup.WARMUP_STEPS
         assert not graphs._entries, "a warm-up composition (scratch-store buffers) was kept"
         stats = tiered.stats()
         assert stats["entries_dram"] == stats["bytes_dram"] == stats["hits_dram"] == 0, stats
+        assert fam.prompts.stats() == prompts  # entries and counters as found
+        assert len(fam.cropped.states) == 0 and not fam.cropped.counts
         warmed = _edit_after_capture(pipe)
     finally:
         tiered.close()
         cleanup(ns)
-    cold = _edit_after_capture(tiny_pipeline(family))
+    cold = _edit_after_capture(_fresh(family))
     assert warmed[1] == cold[1] == "masked"
     assert torch.equal(warmed[0], cold[0])
 
 
-def test_warm_up_with_one_request_per_batch_frees_its_scratch_cache(
-    family: str, monkeypatch
-) -> None:
+@pytest.mark.parametrize("fails", [False, True], ids=["ok", "fails"])
+def test_warm_up_frees_its_scratch_cache(family: str, fails: bool, monkeypatch) -> None:
     """Nothing keeps the warm-up template's cache (on a GPU: device memory) alive once the
-    warm-up returns, graph form included: the device tier sizes itself from the memory free
-    then."""
+    warm-up returns, graph form included, also when it fails (then it returns None and the
+    worker serves cold): the device tier sizes itself from the memory free then. One request
+    per batch (max_batch 1)."""
     refs: list[weakref.ref] = []
 
     class Recorded(InMemoryStore):
@@ -78,13 +88,36 @@ def test_warm_up_with_one_request_per_batch_frees_its_scratch_cache(
             refs.extend(weakref.ref(t) for t in (entry, *entry.stacked.values()))
             return super().open(key)
 
+    def broken_decode(self, batch):
+        raise RuntimeError("CUDA out of memory (injected)")
+
     monkeypatch.setattr(warmup, "InMemoryStore", Recorded)
-    pipe = tiny_pipeline(family)
-    pipe.family.masked.graphs.force_static = True
+    if fails:
+        monkeypatch.setattr(EditPipeline, "decode_latents", broken_decode)
+    pipe = _fresh(family)
+    prompts = pipe.family.prompts.stats()
     report = warmup.warm_up(pipe, max_batch=1)
-    assert (report.steps, report.masked, report.decoded) == (3 * warmup.WARMUP_STEPS, 2, 3)
+    if fails:
+        assert report is None
+    else:
+        assert (report.steps, report.masked, report.decoded) == (3 * warmup.WARMUP_STEPS, 2, 3)
     gc.collect()
     assert refs and not [r for r in refs if r() is not None], "the scratch cache outlived it"
+    assert not pipe.family.masked.graphs._entries
+    assert pipe.family.prompts.stats() == prompts
+
+
+def test_warm_up_fits_the_limits() -> None:
+    """A pixel cap below the family's default size and a step cap below WARMUP_STEPS: the
+    warm-up runs within them instead of failing on every start."""
+    base = EditPipeline.load("sd2-inpaint:tiny")
+    granule = base.family.granule
+    side = base.family.default_size // 2 // granule * granule
+    limits = dataclasses.replace(base.limits, max_image_pixels=side * side + granule, max_steps=2)
+    pipe = EditPipeline(base.family, limits)
+    assert warmup._size(pipe) == side
+    report = warmup.warm_up(pipe, max_batch=2)
+    assert report is not None and report.steps == 3 * 2
 
 
 @pytest.mark.parametrize(
