@@ -210,6 +210,41 @@ def test_graph_form_reads_each_step(family: str) -> None:
     assert not torch.equal(plain, stuck)
 
 
+def test_full_path_batches_share_a_graph_across_compositions(family: str) -> None:
+    """A batch that reads and records no cache has no step context: its graph reads only its
+    inputs, so a later batch of other requests with the same shapes runs in the same entry (on
+    CUDA: replays the graph instead of capturing), and still equals the plain path exactly.
+    A masked batch stays keyed by its members (its token sets are in its graph)."""
+    pipe = _pipe(family)
+    ex = pipe.family.masked
+    first = [_edit("a", None, (0.1, 0.1, 0.4, 0.5), 3), _edit("b", None, (0.5, 0.2, 0.9, 0.7), 4)]
+    second = [_edit("c", None, (0.3, 0.3, 0.6, 0.6), 5), _edit("d", None, (0.0, 0.6, 1.0, 1.0), 6)]
+    ex.graphs.mode = "off"
+    plain = [_run_together(pipe, reqs) for reqs in (first, second)]
+    ex.graphs = StepGraphs(ex.device, "all")
+    ex.graphs.force_static = True
+    static = [_run_together(pipe, reqs) for reqs in (first, second)]
+    assert len(ex.graphs._entries) == 1  # one entry served both compositions
+    (entry,) = ex.graphs._entries.values()
+    assert entry.calls == 2 * STEPS
+    for a, b in zip(plain, static, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    key = _template(pipe, 1)
+    held = []  # two masked compositions of one shape, alive: two more entries
+    for i in range(2):
+        held.append(pipe.preprocess(_edit(f"m{i}", key, (0.1 * i, 0.2, 0.5, 0.6), i)))
+        while not held[-1].is_done:
+            pipe.denoise_step(held[-1:])
+    assert len(ex.graphs._entries) == 3
+
+
+def _run_together(pipe: EditPipeline, requests: list[EditRequest]) -> list[torch.Tensor]:
+    states = [pipe.preprocess(r) for r in requests]
+    while not all(s.is_done for s in states):
+        pipe.denoise_step(states)
+    return [s.latents.clone() for s in states]
+
+
 def test_store_stacks_are_the_step_entries() -> None:
     pipe = _pipe("sdxl-inpaint")
     key = _template(pipe, 1)

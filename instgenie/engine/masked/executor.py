@@ -139,8 +139,12 @@ class MaskedExecutor:
         loras = self.lora_batch(batch)
         try:
             if plan.may_graph and self.graphs.eligible(ctx, dtype, self.block_order):
-                # the LoraBatch itself: a graph reads its tensors, so it lives as long as the graph
-                key = (composition_key(batch), None if ctx is None else ctx.compute_all, loras)
+                # the LoraBatch itself: a graph reads its tensors, so it lives as long as the graph.
+                # Without a context (no member reads or records a cache) a graph reads nothing but
+                # its input tensors, copied in at every call: any batch of the same shapes (the
+                # run's key) replays it, so a join or leave of full-path edits captures nothing
+                members = () if ctx is None else composition_key(batch)
+                key = (members, None if ctx is None else ctx.compute_all, loras)
                 with use_lora(loras):
                     streamed = (
                         ctx is not None and ctx.reads_cache and self._use_loader(ctx.requests)
