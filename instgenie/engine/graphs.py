@@ -36,7 +36,8 @@ Whether and when a composition is captured (ExecConfig.graph_capture, decision 0
   the process: a new composition is captured on its first call, its token sets built beforehand
   (`StepContext.prepare_tokens`). Under continuous batching every join or leave of a batch
   that reads or records a cache is a new composition; a batch of full-path edits alone has no
-  step context, and any batch of the same shapes replays its graph (executor.run_backbone). If such a first-call capture fails, the process warms up first from then on.
+  step context, and any batch of the same shapes replays its graph (executor.run_backbone).
+  If such a first-call capture fails, the process warms up first from then on.
 
 Modes (ExecConfig.cuda_graphs): "all" (default) graphs every eligible batch, "masked" only
 batches that read a template cache, "off" none. Ineligible: CPU, capture runs (block outputs are
