@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -24,26 +25,45 @@ from instgenie.cache.quant import FP8  # noqa: E402
 from instgenie.cache.store import InMemoryStore  # noqa: E402
 from instgenie.config import ExecConfig  # noqa: E402
 from instgenie.dataset import classifier  # noqa: E402
+from instgenie.engine.costspec import cost_spec  # noqa: E402
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.reference import evaluate  # noqa: E402
+from instgenie.scheduler import estimate  # noqa: E402
 from instgenie.scheduler.fits import Profile  # noqa: E402
 
 
 def pipes_for(model: str, device: str = "cpu", profile: Path | None = None,
-              sparse_convs: str = "off") -> dict:  # fmt: skip
+              sparse_convs: str = "off", margins: tuple[int, ...] = (),
+              fp8: bool = True) -> dict:  # fmt: skip
     """One pipeline per cache variant, sharing one loaded family: the cache on the compute
-    device in the model's dtype, the same in fp8, and (with a fitted profile) the cache in host
-    memory with the load planner choosing the blocks that compute every token (paper Alg. 1)."""
+    device in the model's dtype, the same in fp8, (with a fitted profile) the cache in host
+    memory with the load planner choosing the blocks that compute every token (paper Alg. 1),
+    and one per compute margin (ModelConfig.compute_margin, pixels: "margin8", ...)."""
     base = EditPipeline.load(model, device=device,
                              execution=ExecConfig(sparse_convs=sparse_convs))  # fmt: skip
     dev = base.family.device
-    fp8 = InMemoryStore(dev, dtype=FP8)
-    pipes = {"cache": base, "cache_fp8": EditPipeline(base.family, store=fp8)}
+    pipes = {"cache": base}
+    if fp8:
+        pipes["cache_fp8"] = EditPipeline(base.family, store=InMemoryStore(dev, dtype=FP8))
+    for m in margins:
+        pipes[f"margin{m}"] = EditPipeline(base.family, store=InMemoryStore(dev),
+                                           compute_margin=m)  # fmt: skip
     if profile is not None:
         host = InMemoryStore("cpu", pin_memory=dev.type == "cuda")
         pipes["planner"] = EditPipeline(base.family, store=host,
                                         profile=Profile.load_file(profile))  # fmt: skip
     return pipes
+
+
+def computed_ratios(pipes: dict, cases: list) -> dict:
+    """Per variant, the mean fraction of each token grid (by stride, pixels) its masked path
+    computes over the cases: the mask dilated by the variant's compute margin."""
+    strides = sorted({b.stride for b in cost_spec(pipes["cache"]).blocks})
+    out = {}
+    for name, pipe in pipes.items():
+        per = [estimate.token_ratios(c.mask, strides, pipe.compute_margin) for c in cases]
+        out[name] = {str(s): round(float(np.mean([r[s] for r in per])), 4) for s in strides}
+    return out
 
 
 def main() -> int:
@@ -59,10 +79,14 @@ def main() -> int:
     p.add_argument("--profile", type=Path, default=None,
                    help="a fitted profile (instgenie profile): the planner variant")  # fmt: skip
     p.add_argument("--tag", default="", help="suffix of the output files' names")
+    p.add_argument("--margins", type=int, nargs="*", default=[],
+                   help="compute margins (pixels) to run as variants of their own")  # fmt: skip
+    p.add_argument("--no-fp8", action="store_true", help="skip the fp8 cache variant")
     p.add_argument("--sparse-convs", default="off", choices=("auto", "off"),
                    help="ExecConfig.sparse_convs of the masked path (UNet families)")
     args = p.parse_args()
-    pipes = pipes_for(args.model, args.device, args.profile, args.sparse_convs)
+    pipes = pipes_for(args.model, args.device, args.profile, args.sparse_convs,
+                      tuple(args.margins), not args.no_fp8)  # fmt: skip
     clf = classifier.RegionClassifier.load(classifier.DEFAULT_WEIGHTS)
     cases = evaluate.cases(args.cases, max_ratio=args.max_ratio)
     rows, outs, t0 = [], [], time.monotonic()
@@ -79,7 +103,8 @@ def main() -> int:
                             text=True).stdout.strip()  # fmt: skip
     record = {
         "model": args.model, "steps": args.steps, "guidance": args.guidance,
-        "sparse_convs": args.sparse_convs,
+        "sparse_convs": args.sparse_convs, "margins": args.margins,
+        "token_ratios": computed_ratios(pipes, cases),
         "max_ratio": args.max_ratio, "template_seed": evaluate.TEMPLATE_SEED,
         "eval_seed": evaluate.EVAL_SEED, "band_px": evaluate.BAND,
         "summary": evaluate.summary(rows, list(pipes)), "rows": rows,

@@ -51,6 +51,11 @@ class ModelConfig:
     #: replay the text encoders' forward from CUDA graphs on CUDA (prompt-cache misses; decision
     #: 0022); --cuda-graphs off also turns it off
     text_encoder_graphs: bool = True
+    #: pixels (at the working size) around an edit's mask that its masked path computes under
+    #: the edit's prompt too, instead of reading the template's cache; paste-back still keeps
+    #: only the mask. Closer to the full path, more tokens per step (decision 0050); 0: the
+    #: mask's own tokens
+    compute_margin: int = 0
     #: how the model executes (kernels, layout, graphs); its fields are flags of their own
     execution: ExecConfig = field(default_factory=ExecConfig)
 

@@ -55,7 +55,7 @@ def cost_spec(pipe, profile_path: str = "", loop_stages: bool = True) -> CostSpe
     pipe.profile); `loop_stages`: its process runs each request's encode and decode
     (model_stages="loop" or inline stages), so they hold up its steps and are priced."""
     return model_cost_spec(pipe.family, str(pipe.store_dtype()), pipe.profile, profile_path,
-                           loop_stages)  # fmt: skip
+                           loop_stages, pipe.compute_margin)  # fmt: skip
 
 
 def model_cost_spec(
@@ -64,9 +64,11 @@ def model_cost_spec(
     profile: Profile | None,
     profile_path: str = "",
     loop_stages: bool = True,
+    compute_margin: int | None = None,
 ) -> CostSpec:
     """The CostSpec of a loaded model whose caches are stored in `cache_dtype` (e.g.
-    "torch.float16"), priced with `profile`'s fits (None: nominal FLOPs)."""
+    "torch.float16"), priced with `profile`'s fits (None: nominal FLOPs); `compute_margin`:
+    its pipeline's (None: the family's)."""
     return CostSpec(
         model=str(fam.spec),
         granule=int(fam.granule),
@@ -78,4 +80,5 @@ def model_cost_spec(
         blocks=family_blocks(fam),
         **(profile_fits(profile, loop_stages) if profile is not None else {}),
         profile=profile_path if profile is not None else "",
+        compute_margin=int(fam.compute_margin if compute_margin is None else compute_margin),
     )

@@ -89,6 +89,8 @@ class ModelFamily(Protocol):
     token_stride: int
     #: prompt tokens per conditioning row
     text_len: int
+    #: pixels around an edit's mask that its masked path also computes (ModelConfig)
+    compute_margin: int
     #: the diffusers pipeline object whose modules and helpers the adapter uses
     pipe: Any
     #: the denoising backbone (UNet or transformer) and its masked-execution binding
@@ -196,6 +198,8 @@ def check_model_config(model: ModelConfig) -> None:
         raise ValidationError(
             "prompt_cache_bytes", f"must be >= 0 bytes, got {model.prompt_cache_bytes}"
         )
+    if not model.compute_margin >= 0:
+        raise ValidationError("compute_margin", f"must be >= 0 pixels, got {model.compute_margin}")
 
 
 def family_options(model: ModelConfig) -> dict[str, Any]:
@@ -205,6 +209,7 @@ def family_options(model: ModelConfig) -> dict[str, Any]:
         "prompt_cache_bytes": model.prompt_cache_bytes,
         "text_encoder_graphs": model.text_encoder_graphs,
         "execution": model.execution,
+        "compute_margin": model.compute_margin,
     }
 
 
@@ -218,13 +223,15 @@ def load_family(
     prompt_cache_bytes: int = ModelConfig.prompt_cache_bytes,
     text_encoder_graphs: bool = ModelConfig.text_encoder_graphs,
     execution: ExecConfig = EXEC_DEFAULTS,
+    compute_margin: int = ModelConfig.compute_margin,
 ) -> ModelFamily:
     """Build or load a model family adapter. Never touches the network. `parts`: "all",
     "backbone" (denoise loop), "stages" (pre/post-processing) or "none" (image codec work
     only); see AdapterBase.load. `vae_dtype`: "auto" (the family's choice) or a dtype name;
     `prompt_cache_bytes`: the prompt cache's capacity (0: off); `text_encoder_graphs`: replay the
     text encoders from CUDA graphs on CUDA (engine/encoder_graphs.py); `execution`: kernels,
-    layout and graphs (config.ExecConfig)."""
+    layout and graphs (config.ExecConfig); `compute_margin`: pixels around an edit's mask that
+    its masked path also computes (config.ModelConfig.compute_margin)."""
     spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(spec)
     cls = _registry()[spec.family]
     if device.startswith("cuda") and torch.device(device).index is not None:
@@ -246,4 +253,5 @@ def load_family(
         prompt_cache_bytes=prompt_cache_bytes,
         text_encoder_graphs=text_encoder_graphs,
         execution=execution,
+        compute_margin=compute_margin,
     )

@@ -31,7 +31,7 @@ from instgenie.engine.imageio import (
     mask_ratio,
     paste_back,
 )
-from instgenie.engine.masked.tokens import pixel_mask_tensor
+from instgenie.engine.masked.tokens import dilate, pixel_mask_tensor
 from instgenie.engine.request import DecodedInputs, EditRequest, EditResult, RequestState
 from instgenie.engine.sizing import pixel_hint, resolve_limits, working_size
 from instgenie.engine.step_pricing import StepPricer
@@ -53,8 +53,14 @@ class EditPipeline:
         limits: LimitsConfig | None = None,
         store: ActivationStore | None = None,
         profile: Profile | None = None,
+        compute_margin: int | None = None,
     ) -> None:
         self.family = family
+        #: pixels around an edit's mask its masked path computes too: the family's
+        #: (ModelConfig.compute_margin) unless given (benchmarks compare margins on one model)
+        self.compute_margin = family.compute_margin if compute_margin is None else compute_margin
+        if self.compute_margin < 0:
+            raise ValueError(f"compute_margin is a pixel count >= 0, got {compute_margin}")
         #: max_image_pixels = 0 (the default) resolves to the family's native area x 4
         self.limits = resolve_limits(limits or LimitsConfig(), family.default_size)
         self.store = store if store is not None else InMemoryStore(family.device)
@@ -310,7 +316,8 @@ class EditPipeline:
         except CacheMiss:  # deleted since the status check
             state.notes = replace(state.notes, fallback_reason="the template's cache was dropped")
             return
-        masks = self.family.token_masks(pixel_mask_tensor(state.mask))
+        pixels = dilate(pixel_mask_tensor(state.mask), self.compute_margin)
+        masks = self.family.token_masks(pixels)
         why = mismatch(meta, state, masks)
         if why is not None:
             state.notes = replace(state.notes, fallback_reason=why)

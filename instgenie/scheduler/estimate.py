@@ -165,11 +165,29 @@ def blocks_ms(costs: BlockCosts, reads: bool) -> float:
     return plan_step(costs).latency_ms
 
 
-def token_ratios(mask: np.ndarray, strides: Sequence[int]) -> dict[int, float]:
-    """Fraction of each token grid a binary pixel mask (H, W) covers, computed as the worker
-    does (engine.masked.tokens: a token is computed when any pixel under it is edited), on a
-    grid padded up to whole tokens."""
+def dilate(mask: np.ndarray, margin: int) -> np.ndarray:
+    """A bool (H, W) mask, True wherever a pixel within `margin` pixels (a (2 margin + 1)²
+    square) is True: the worker's compute margin (engine.masked.tokens.dilate), separable, as
+    two running sums."""
     m = np.asarray(mask, dtype=bool)
+    if margin <= 0:
+        return m
+    for axis in (0, 1):
+        n = m.shape[axis]
+        c = np.cumsum(m, axis=axis, dtype=np.int64)
+        c = np.concatenate([np.zeros_like(c.take([0], axis=axis)), c], axis=axis)
+        hi = np.minimum(np.arange(n) + margin + 1, n)
+        lo = np.maximum(np.arange(n) - margin, 0)
+        m = (c.take(hi, axis=axis) - c.take(lo, axis=axis)) > 0
+    return m
+
+
+def token_ratios(mask: np.ndarray, strides: Sequence[int], margin: int = 0) -> dict[int, float]:
+    """Fraction of each token grid a binary pixel mask (H, W) covers, computed as the worker
+    does (engine.masked.tokens: a token is computed when any pixel under it is edited, after
+    dilating the mask by the worker's compute `margin`, pixels), on a grid padded up to whole
+    tokens."""
+    m = dilate(mask, margin)
     out = {}
     for s in strides:
         h, w = -(-m.shape[0] // s), -(-m.shape[1] // s)

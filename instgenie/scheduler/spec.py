@@ -62,6 +62,9 @@ class CostSpec:
     #: a template capture run's cost to its loop beyond its priced steps, fit of ms against
     #: pixels x steps (Profile.capture); None: not in the profile
     capture: LinearFit | None = None
+    #: pixels around an edit's mask its masked path computes too (ModelConfig.compute_margin):
+    #: the router dilates masks by it before measuring token ratios
+    compute_margin: int = 0
 
 
 def profile_fits(profile: Profile, loop_stages: bool = True) -> dict:

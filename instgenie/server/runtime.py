@@ -358,6 +358,8 @@ class Runtime:
         if not specs_of:
             return
         strides = sorted({b.stride for c in specs_of for b in c.blocks})
+        # the workers of one server share one model config, so one margin
+        margin = max(c.compute_margin for c in specs_of)
         measured: dict[tuple, tuple[float, dict[int, float]]] = {}
         for spec in specs:
             mask = spec.fields["mask"]
@@ -366,7 +368,7 @@ class Runtime:
             if key not in measured:
                 try:
                     measured[key] = await asyncio.to_thread(
-                        mask_facts, mask, spec.image_size, work, self.limits, strides
+                        mask_facts, mask, spec.image_size, work, self.limits, strides, margin
                     )
                 except ValidationError as exc:
                     raise ApiError.from_validation(exc) from None

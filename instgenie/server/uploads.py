@@ -295,10 +295,12 @@ def mask_facts(
     working_size: tuple[int, int],
     limits: LimitsConfig,
     strides: list[int],
+    margin: int = 0,
 ) -> tuple[float, dict[int, float]]:
     """(fraction of pixels edited, token_ratios at `strides`) of an encoded native mask, at
-    the working size (resized nearest-neighbour, as the worker's pre-processing does)."""
+    the working size (resized nearest-neighbour, as the worker's pre-processing does); the
+    token ratios of the mask dilated by the workers' compute `margin`, pixels."""
     img = decode_mask(mask, image_size, limits, "mask")
     if img.size != working_size:
         img = img.resize(working_size, Image.Resampling.NEAREST)
-    return mask_ratio(img), token_ratios(np.asarray(img) >= 128, strides)
+    return mask_ratio(img), token_ratios(np.asarray(img) >= 128, strides, margin)

@@ -107,7 +107,8 @@ def _as_found(fam) -> Iterator[None]:
 def _exercise(pipe: EditPipeline, max_batch: int) -> tuple[int, int, int]:
     """(denoising steps, edits that ran masked, images decoded) of the warm-up's runs."""
     fam = pipe.family
-    scratch = EditPipeline(fam, pipe.limits, InMemoryStore(fam.device), pipe.profile)
+    scratch = EditPipeline(fam, pipe.limits, InMemoryStore(fam.device), pipe.profile,
+                           compute_margin=pipe.compute_margin)  # fmt: skip
     side, steps = _size(pipe), min(WARMUP_STEPS, pipe.limits.max_steps)
     key = scratch.register_template(
         TemplateSpec(image=_scene(side), prompt="a grey wall", num_inference_steps=steps)

@@ -90,6 +90,7 @@ class AdapterBase:
         prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
         text_encoder_graphs: bool = TEXT_ENCODER_GRAPHS,
         execution: ExecConfig = EXEC_DEFAULTS,
+        compute_margin: int = 0,
     ) -> None:
         self.spec = spec
         self.pipe = pipe
@@ -97,6 +98,10 @@ class AdapterBase:
         self.dtype = dtype
         #: kernels, layout and graphs (config.ExecConfig), fixed for the adapter's life
         self.execution = execution
+        if compute_margin < 0:
+            raise ValueError(f"compute_margin is a pixel count >= 0, got {compute_margin}")
+        #: pixels around an edit's mask that its masked path computes too (ModelConfig)
+        self.compute_margin = compute_margin
         pipe.set_progress_bar_config(disable=True)
         self.backbone = getattr(pipe, self.backbone_name)
         self.vae = getattr(pipe, "vae", None)
@@ -179,13 +184,15 @@ class AdapterBase:
         prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
         text_encoder_graphs: bool = TEXT_ENCODER_GRAPHS,
         execution: ExecConfig = EXEC_DEFAULTS,
+        compute_margin: int = 0,
     ) -> AdapterBase:
         """parts: "all"; "backbone" (the denoise loop: text encoders and VAE are built on the
         meta device, configs only, no memory); "stages" (pre/post-processing: the backbone on
         meta). Local directories always load every part. `vae_dtype`: None = the family's choice
         (auto_vae_dtype); `prompt_cache_bytes`: the prompt cache's capacity (0: off);
         `text_encoder_graphs`: replay the text towers from CUDA graphs on CUDA; `execution`:
-        kernels, layout and graphs (config.ExecConfig)."""
+        kernels, layout and graphs (config.ExecConfig); `compute_margin`: pixels around an
+        edit's mask its masked path computes too (config.ModelConfig.compute_margin)."""
         dev = torch.device(device)
         if spec.directory is not None:
             pipe = cls._from_dir(spec.directory, dev, dtype)
@@ -203,6 +210,7 @@ class AdapterBase:
             prompt_cache_bytes=prompt_cache_bytes,
             text_encoder_graphs=text_encoder_graphs,
             execution=execution,
+            compute_margin=compute_margin,
         )
 
     @staticmethod
