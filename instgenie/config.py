@@ -59,6 +59,13 @@ class ModelConfig:
     #: how the model executes (kernels, layout, graphs); its fields are flags of their own
     execution: ExecConfig = field(default_factory=ExecConfig)
 
+    def __post_init__(self) -> None:
+        # checked here, not with the model (check_model_config): the API server's process
+        # builds this config without torch, and a bad value must not reach the workers
+        margin = self.compute_margin
+        if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+            raise ValueError(f"compute_margin: must be a pixel count >= 0, got {margin!r}")
+
 
 @dataclass(frozen=True)
 class LimitsConfig:

@@ -198,8 +198,6 @@ def check_model_config(model: ModelConfig) -> None:
         raise ValidationError(
             "prompt_cache_bytes", f"must be >= 0 bytes, got {model.prompt_cache_bytes}"
         )
-    if not model.compute_margin >= 0:
-        raise ValidationError("compute_margin", f"must be >= 0 pixels, got {model.compute_margin}")
 
 
 def family_options(model: ModelConfig) -> dict[str, Any]:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from instgenie.cli import build_parser
 from instgenie.config import ModelConfig
 from instgenie.engine.costspec import cost_spec
-from instgenie.engine.family import check_model_config
 from instgenie.engine.imageio import encode_image
 from instgenie.engine.masked.tokens import dilate, pixel_mask_tensor, pooled_masks
 from instgenie.engine.pipeline import EditPipeline
@@ -20,6 +20,7 @@ from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
 from instgenie.errors import ValidationError
 from instgenie.scheduler import estimate
+from instgenie.server.commands import cmd_serve
 from instgenie.server.uploads import mask_facts
 from tests.conftest import make_image, png_bytes
 from tests.engine.test_masked_exact import MASKS, STEPS, _close, _full, _run, fp64_pipeline
@@ -114,8 +115,11 @@ def test_a_margin_moves_the_edit_toward_full_and_paste_back_keeps_only_the_mask(
 
 
 def test_a_negative_margin_is_refused() -> None:
+    with pytest.raises(ValueError, match="compute_margin"):
+        ModelConfig(compute_margin=-1)
+    # `instgenie serve --compute-margin -1`: a typed error naming the setting, before any worker
     with pytest.raises(ValidationError, match="compute_margin"):
-        check_model_config(ModelConfig(compute_margin=-1))
+        cmd_serve(build_parser().parse_args(["serve", "--compute-margin", "-1"]))
     with pytest.raises(ValueError, match="compute_margin"):
         _with_margin("sdxl-inpaint", -2)
     with pytest.raises(ValueError, match="margin"):
