@@ -301,3 +301,37 @@ def test_queued_requests_are_told_their_place_as_the_queue_moves() -> None:
         assert list(d.waiting) == [e] and told[e.uid] == [1, 0]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("margin", [0, 8])
+def test_the_router_measures_masks_dilated_by_the_workers_compute_margin(margin: int) -> None:
+    """Mask-aware routing prices the tokens a worker computes: with a compute margin (decision
+    0050, sent in its CostSpec) the measured token ratios are those of the dilated mask."""
+    import dataclasses
+
+    import numpy as np
+    from PIL import Image
+
+    from instgenie.engine.imageio import encode_image
+    from instgenie.scheduler.estimate import token_ratios
+    from instgenie.server.runtime import EditSpec, Runtime
+    from tests.scheduler.test_routing_cost import SPEC
+
+    mask = np.zeros((128, 96), dtype=bool)
+    mask[40:60, 30:50] = True
+    data = encode_image(Image.fromarray(mask.astype(np.uint8) * 255), "png")
+
+    async def main() -> None:
+        d, slot, _ = _dispatcher(slots=1, timeout_s=1.0)
+        slot.cost = dataclasses.replace(SPEC, compute_margin=margin)
+        rt = Runtime(d.pool, ServerConfig(routing="mask-aware"), LimitsConfig())
+        spec = EditSpec(dict(FIELDS, mask=data), ROUTE, None, 0, (96, 128), (96, 128))
+        await rt.measure_mask([spec])
+        rt.health._executor.shutdown()
+        return spec.route
+
+    route = asyncio.run(main())
+    assert dict(route.token_ratios) == token_ratios(mask, [16, 32], margin)
+    plain = token_ratios(mask, [16, 32])
+    assert (dict(route.token_ratios)[16] > plain[16]) == (margin > 0)
+    assert route.mask_ratio == pytest.approx(mask.mean())  # the edit's own pixels, undilated
