@@ -83,7 +83,7 @@ def main() -> int:
                    help="compute margins (pixels) to run as variants of their own")  # fmt: skip
     p.add_argument("--no-fp8", action="store_true", help="skip the fp8 cache variant")
     p.add_argument("--sparse-convs", default="off", choices=("auto", "off"),
-                   help="ExecConfig.sparse_convs of the masked path (UNet families)")
+                   help="ExecConfig.sparse_convs of the masked path (UNet families)")  # fmt: skip
     args = p.parse_args()
     pipes = pipes_for(args.model, args.device, args.profile, args.sparse_convs,
                       tuple(args.margins), not args.no_fp8)  # fmt: skip
