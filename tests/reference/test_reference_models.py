@@ -73,8 +73,8 @@ def clf() -> classifier.RegionClassifier:
 
 def _measure(family: str, cases, clf, store=None, margin: int = 0):  # noqa: ANN201
     """(mean SSIM whole, mean SSIM in the mask, share of colours read as asked, rows) of the
-    plain masked path; with a `margin`, also the mean SSIM in the mask of the same edits with
-    that compute margin (ModelConfig.compute_margin), last."""
+    plain masked path, and with a `margin` the mean SSIM in the mask of the same edits with that
+    compute margin (ModelConfig.compute_margin), else None."""
     base = EditPipeline.load(f"{family}:ref")
     pipes = {"cache": base if store is None else EditPipeline(base.family, store=store)}
     if margin:
@@ -86,9 +86,8 @@ def _measure(family: str, cases, clf, store=None, margin: int = 0):  # noqa: ANN
     ssim = float(np.mean([r["cache"]["ssim"] for r in rows]))
     in_mask = float(np.mean([r["cache"]["ssim_mask"] for r in rows]))
     colour = float(np.mean([r["cache"]["adherence"]["colour"] for r in rows]))
-    if not margin:
-        return ssim, in_mask, colour, rows
-    return ssim, in_mask, colour, rows, float(np.mean([r["margin"]["ssim_mask"] for r in rows]))
+    margin_in_mask = float(np.mean([r["margin"]["ssim_mask"] for r in rows])) if margin else None
+    return ssim, in_mask, colour, rows, margin_in_mask
 
 
 @pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
@@ -106,7 +105,7 @@ def test_a_reference_model_edits_close_to_its_full_path_and_as_asked(family, cas
 
 @pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
 def test_cached_rows_shifted_by_one_token_fail_the_bounds(family, cases, clf) -> None:
-    _, in_mask, _, rows = _measure(family, cases, clf, store=ShiftedStore("cpu"))
+    _, in_mask, _, rows, _ = _measure(family, cases, clf, store=ShiftedStore("cpu"))
     assert in_mask < MASK_SSIM_BOUND[family], rows
 
 

@@ -98,8 +98,6 @@ class AdapterBase:
         self.dtype = dtype
         #: kernels, layout and graphs (config.ExecConfig), fixed for the adapter's life
         self.execution = execution
-        if compute_margin < 0:
-            raise ValueError(f"compute_margin is a pixel count >= 0, got {compute_margin}")
         #: pixels around an edit's mask that its masked path computes too (ModelConfig)
         self.compute_margin = compute_margin
         pipe.set_progress_bar_config(disable=True)
