@@ -14,7 +14,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "flash", "sdpa")
 #: ExecConfig.cuda_graphs values (engine/graphs.py MODES)
 GRAPH_MODES = ("all", "masked", "off")
 #: ExecConfig.graph_capture values (engine/graphs.py CAPTURE_POLICIES)
-CAPTURE_POLICIES = ("auto", "always")
+CAPTURE_POLICIES = ("auto", "always", "buckets")
 #: ExecConfig.fused_* values (engine/kernels.py kernel_enabled)
 KERNEL_MODES = ("auto", "on", "off")
 #: ExecConfig.sparse_convs values (engine/masked/conv_blocks.py)
@@ -48,7 +48,8 @@ class ExecConfig:
     cuda_graphs: str = _switch("all", "INSTGENIE_CUDA_GRAPHS", GRAPH_MODES)
     #: when a step composition is captured: "auto" (only when its measured costs say the graph
     #: pays before the batch changes) | "always" (every eligible one on its second call)
-    #: (decision 0020)
+    #: (decision 0020) | "buckets" (at start only: masked steps pad to a bucket of rows and
+    #: token capacity and replay its graph, else run eagerly; decision 0051)
     graph_capture: str = _switch("auto", "INSTGENIE_GRAPH_CAPTURE", CAPTURE_POLICIES)
     #: let cuDNN pick convolution algorithms by timing them (torch.backends.cudnn.benchmark) on
     #: CUDA; off: its heuristics

@@ -67,6 +67,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from instgenie.engine.bucket_graphs import _TENSOR, BucketGraphs
 from instgenie.engine.masked.context import StepContext, use_context
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ MODES = ("all", "masked", "off")
 #: what one backbone call did, costliest first: a capture runs the step's Python under capture
 #: and then replays it; a warm-up and an eager call run it eagerly; a replay only launches
 CALL_KINDS = ("capture", "warmup", "eager", "replay")
-CAPTURE_POLICIES = ("auto", "always")
+CAPTURE_POLICIES = ("auto", "always", "buckets")
 #: calls of one kind and batch shape whose median prices it (the newest are kept), count
 COST_SAMPLES = 8
 #: fewer samples than this and the cost counts as unknown (one slow first capture, e.g. a fresh
@@ -83,8 +84,6 @@ COST_SAMPLES = 8
 COST_MIN_SAMPLES = 3
 #: timed calls whose CUDA events are not read yet; older ones are dropped unread, count
 PENDING_TIMINGS = 64
-#: stands for a tensor among a call's pytree leaves (None is a real argument: attention_mask=None)
-_TENSOR = object()
 
 
 class CallCosts:
@@ -169,6 +168,11 @@ class StepGraphs:
         self.counters = dict.fromkeys(CALL_KINDS, 0)
         #: the graph form without CUDA (tests: the static path is checked on CPU)
         self.force_static = False
+        #: "buckets": masked steps replay graphs captured per bucket at start
+        #: (engine/bucket_graphs.py); graphs are captured only while `warming` (the worker's
+        #: warm-up sets it), never while serving
+        self.buckets = BucketGraphs(self)
+        self.warming = False
 
     # ---- eligibility ---------------------------------------------------------------------
     def eligible(self, ctx: StepContext | None, dtype: torch.dtype, block_ids: list[int]) -> bool:
@@ -227,6 +231,11 @@ class StepGraphs:
         self._read_timings()
         shape = (ctx is not None and ctx.reads_cache, tuple(tensors[0].shape) if tensors else ())
         entry = self._entries.get(full_key)
+        if entry is None and self.capture == "buckets" and not self.warming:
+            # nothing captured for this shape at start: eager (serving never captures)
+            with use_context(ctx):
+                out = self._timed("eager", shape, lambda: fn(*args, **kwargs))
+            return self._done("eager", out)
         if entry is None:
             entry = self._new_entry(ctx, tensors, spec, leaves)
             self._entries[full_key] = entry
@@ -295,6 +304,8 @@ class StepGraphs:
         some of them), else after the warm-up call."""
         if self.device.type != "cuda":
             return False
+        if self.capture == "buckets":  # at start only, on a shape's second call
+            return self.warming and not first
         if self.capture == "always":
             return not first
         if first and not (self.capture_first and shape in self._captured):
@@ -364,7 +375,7 @@ class StepGraphs:
         return pytree.tree_map_only(torch.Tensor, torch.clone, entry.output)
 
     def _capture(self, ctx: StepContext | None, fn, entry: _Entry, shape: Hashable) -> torch.Tensor:
-        if self._pool is None or len(self) == 0:
+        if self._pool is None or len(self) + len(self.buckets) == 0:
             # graphs share one memory pool (they never run concurrently and each one's output
             # is copied out before the next replay); once every graph of a pool is gone the
             # allocator retires it, and capturing into a retired pool id is an error
@@ -391,8 +402,20 @@ class StepGraphs:
         for k in dead:
             del self._entries[k]
 
-    def clear(self) -> None:
-        self._entries.clear()
+    def start_graphs(self) -> int:
+        """Entries that serve any composition: buckets, and full-path graphs (by shape)."""
+        return len(self.buckets.entries) + sum(1 for k in self._entries if k[0][0] == ())
+
+    def clear(self, keep_start: bool = False) -> None:
+        """Drop the compositions' graphs. `keep_start` (the "buckets" policy after warm-up):
+        keep the bucket graphs (their sources released) and the full-path graphs (keyed by
+        shape: they read no cache)."""
+        self.buckets.release()
+        if not keep_start:
+            self.buckets.entries.clear()
+            self._entries.clear()
+            return
+        self._entries = OrderedDict((k, e) for k, e in self._entries.items() if k[0][0] == ())
 
     def __len__(self) -> int:
         return sum(1 for e in self._entries.values() if e.graph is not None)

@@ -42,6 +42,7 @@ from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest, RequestState
 from instgenie.engine.templates import TemplateSpec
 from instgenie.messages import Path
+from instgenie.scheduler import buckets
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 WARMUP_STEPS = 4
 #: the warm-up edits' mask boxes, as fractions of the side (x0, y0, x1, y1): ratios 0.2, 0.09
 MASK_BOXES = ((0.3, 0.2, 0.7, 0.7), (0.1, 0.6, 0.4, 0.9))
+#: the bucket captures' mask: a few tokens on every grid, below the ladder's lowest rung
+TINY_BOX = (0.48, 0.48, 0.52, 0.52)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class WarmupReport:
     masked: int
     decoded: int
     ms: float
+    #: graphs captured for serving (graph_capture "buckets": every bucket and full-path shape)
+    graphs: int = 0
 
 
 def wanted(setting: str, device: str) -> bool:
@@ -77,12 +82,16 @@ def warm_up(pipe: EditPipeline, max_batch: int) -> WarmupReport | None:
     report = None
     with _as_found(fam):
         try:
-            steps, masked, decoded = _exercise(pipe, max_batch)
-            report = WarmupReport(steps, masked, decoded, 1e3 * (time.perf_counter() - t0))
+            steps, masked, decoded, graphs = _exercise(pipe, max_batch)
+            ms = 1e3 * (time.perf_counter() - t0)
+            report = WarmupReport(steps, masked, decoded, ms, graphs)
         except Exception:  # as text: a handler keeping the record must not keep its frames
             log.error("warm-up failed; serving cold\n%s", traceback.format_exc())
     # out of the except clause: its traceback (holding the scratch states) is gone
-    fam.masked.graphs.clear()  # their static buffers point into the scratch store
+    # compositions' static buffers point into the scratch store; bucket graphs (their sources
+    # released) and full-path graphs do not, and "buckets" serves from them
+    graphs = fam.masked.graphs
+    graphs.clear(keep_start=graphs.capture == "buckets")
     fam.masked.last_context = None  # its requests hold scratch cache handles
     gc.collect()
     if fam.device.type == "cuda":
@@ -104,8 +113,9 @@ def _as_found(fam) -> Iterator[None]:
         yield
 
 
-def _exercise(pipe: EditPipeline, max_batch: int) -> tuple[int, int, int]:
-    """(denoising steps, edits that ran masked, images decoded) of the warm-up's runs."""
+def _exercise(pipe: EditPipeline, max_batch: int) -> tuple[int, int, int, int]:
+    """(denoising steps, edits that ran masked, images decoded, graphs captured for serving)
+    of the warm-up's runs."""
     fam = pipe.family
     scratch = EditPipeline(fam, pipe.limits, InMemoryStore(fam.device), pipe.profile,
                            compute_margin=pipe.compute_margin)  # fmt: skip
@@ -125,7 +135,39 @@ def _exercise(pipe: EditPipeline, max_batch: int) -> tuple[int, int, int]:
         ran += _run(scratch, together)
         done = [capture, alone, *together]
         images = scratch.decode_latents(done)
-    return ran, sum(s.path is Path.MASKED for s in done[1:]), len(images)
+        graphs = _capture_buckets(scratch, key, side, steps, max_batch)
+    return ran, sum(s.path is Path.MASKED for s in done[1:]), len(images), graphs
+
+
+def _capture_buckets(pipe: EditPipeline, key: str, side: int, steps: int, max_batch: int) -> int:
+    """graph_capture "buckets" on CUDA: capture what serving replays (engine/bucket_graphs.py)
+    — for 1..min(max_batch, buckets.MAX_REQUESTS) requests, the full-path graph of that many
+    rows and a masked graph at every rung of the bucket ladder (edits with a tiny mask, the
+    rung forced up). The number of graphs (graph-form entries without CUDA) it added; 0 under
+    any other policy."""
+    ex = pipe.family.masked
+    graphs = ex.graphs
+    cuda = pipe.family.device.type == "cuda"
+    if graphs.capture != "buckets" or graphs.mode == "off" or not (cuda or graphs.force_static):
+        return 0  # (force_static: the graph form without CUDA, tests)
+    before = graphs.start_graphs()
+    graphs.warming = True
+    try:
+        for n in range(1, min(max_batch, buckets.MAX_REQUESTS) + 1):
+            full = [_edit(pipe, key, f"full-{n}-{i}", MASK_BOXES[0], side, steps, masked=False)
+                    for i in range(n)]  # fmt: skip
+            _run(pipe, full)  # call 1 warms the shape up, call 2 captures it
+            states: list[RequestState] = []
+            for rung in range(len(buckets.RUNGS)):
+                if not states or all(s.is_done for s in states):
+                    states = [_edit(pipe, key, f"bucket-{n}-{rung}-{i}", TINY_BOX, side, steps)
+                              for i in range(n)]  # fmt: skip
+                ex.bucket_min_rung = rung
+                pipe.denoise_step(states)
+    finally:
+        graphs.warming = False
+        ex.bucket_min_rung = 0
+    return graphs.start_graphs() - before
 
 
 def _size(pipe: EditPipeline) -> int:
@@ -147,11 +189,13 @@ def _run(pipe: EditPipeline, batch: list[RequestState]) -> int:
     return steps
 
 
-def _edit(pipe: EditPipeline, key: str, name: str, box: tuple, side: int, steps: int):
+def _edit(pipe: EditPipeline, key: str, name: str, box: tuple, side: int, steps: int,
+          masked: bool = True):  # fmt: skip
+    """An edit of the scratch template (`masked` False: on the full path)."""
     req = EditRequest(uid=f"warmup-{name}", image=None, mask=_mask(side, box),
                       prompt="a red shirt", seed=len(name), num_inference_steps=steps,
                       template_id=key)  # fmt: skip
-    return pipe.preprocess(req)
+    return pipe.preprocess(req, select_path=masked)
 
 
 def _scene(side: int) -> Image.Image:

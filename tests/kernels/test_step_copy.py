@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_kernels.step_copy import _BLOCK, copy_step, copy_step_reference
+from triton_kernels.step_copy import (
+    _BLOCK,
+    copy_rows_indirect,
+    copy_rows_indirect_reference,
+    copy_step,
+    copy_step_reference,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -67,3 +73,47 @@ def test_callers_find_their_kernels() -> None:
     assert context._step_copy_kernel() is step_copy.copy_step
     assert fused_norms._kernel() is group_norm.group_norm
     assert flux_blocks._fused_kernel() is rmsnorm_rope.rmsnorm_rope
+
+
+def _tables(sources: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    base = torch.tensor([0 if s is None else s.data_ptr() for s in sources], dtype=torch.int64)
+    stride = torch.tensor([0 if s is None else s.stride(0) for s in sources], dtype=torch.int64)
+    return base, stride
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(33, 7), (2 * _BLOCK + 5,), (64, 64)])
+def test_indirect_rows_read_their_own_sources_and_steps(shape, dtype) -> None:
+    """Each row reads its own stack (different step counts and strides: a window of 2 slots, a
+    template of 5 steps, a CFG template's cond row) at its own step; a row without a source
+    (base 0) is left untouched."""
+    g = torch.Generator().manual_seed(len(shape))
+    a = torch.randn(5, *shape, generator=g).to(dtype)
+    cfg = torch.randn(2, 2, *shape, generator=g).to(dtype)  # (slots, rows, ...)
+    sources = [a, None, cfg[:, 1], a]
+    base, stride = _tables(sources)
+    steps = torch.tensor([3, 0, 1, 0])
+    out = torch.full((4, *shape), 7.0, dtype=dtype)
+    copy_rows_indirect(base, stride, steps, out)
+    want = copy_rows_indirect_reference(sources, steps, torch.full_like(out, 7.0))
+    assert torch.equal(out, want)
+    assert (
+        torch.equal(out[0], a[3]) and torch.equal(out[2], cfg[1, 1]) and torch.equal(out[3], a[0])
+    )
+    assert bool((out[1] == 7.0).all())
+    steps[3] = 4  # the steps live in a tensor: written between calls, read at call time
+    copy_rows_indirect(base, stride, steps, out)
+    assert torch.equal(out[3], a[4])
+
+
+@pytest.mark.parametrize(
+    "tables, out",
+    [
+        ((torch.zeros(2, dtype=torch.int64),) * 3, torch.zeros(3, 4)),  # rows disagree
+        ((torch.zeros(3, dtype=torch.int32),) * 3, torch.zeros(3, 4)),  # not int64
+        ((torch.zeros(3, dtype=torch.int64),) * 3, torch.zeros(4, 3).t()),  # out not contiguous
+    ],
+)
+def test_indirect_rejects_bad_input(tables, out) -> None:
+    with pytest.raises(ValueError):
+        copy_rows_indirect(*tables, out)

@@ -24,6 +24,7 @@ from instgenie.cache.loader import PipelinedLoader
 from instgenie.cache.quant import copy_rows
 from instgenie.cache.store import CacheWriter, TemplateHandle
 from instgenie.engine.kernels import kernel_enabled, optional_kernel
+from instgenie.engine.masked.bound_rows import BoundRows
 from instgenie.engine.masked.conv_layout import ConvLayout, decode_stats, encode_stats
 from instgenie.engine.masked.tiles import TileSet, build_tiles
 from instgenie.engine.masked.timer import BlockTimer
@@ -119,6 +120,9 @@ class TokenSet:
     cu_k: torch.Tensor
     max_q: int
     num_rows: int
+    #: padded to a bucket's capacity (StepContext.pad_to): (T,) int64 where each packed row's
+    #: result goes, R * L (the output's trash row) for a pad; None: flat_idx (no pads)
+    scatter_idx: torch.Tensor | None = None
 
     @property
     def total(self) -> int:
@@ -154,8 +158,15 @@ class StepContext:
         block_order: tuple[int, ...] = (),
         convs: ConvLayout | None = None,
         latent_hw: tuple[int, int] = (0, 0),
+        pad_to: dict[int, int] | None = None,
     ) -> None:
         self.requests = requests
+        #: {L: packed tokens} a bucketed graph's capacity (engine/bucket_graphs.py): token sets
+        #: of these grids are padded to it (pads gather a real token of their row and scatter
+        #: to a trash row, so real outputs do not depend on them); None: no padding
+        self.pad_to = pad_to
+        #: a bucketed graph's cached-row sources (device address tables), else None
+        self.bound: BoundRows | None = None
         #: sparse conv blocks (None: only transformer blocks are hooked), and the latent grid
         #: (h, w) whose 2**-level grids they compute
         self.convs = convs
@@ -219,18 +230,25 @@ class StepContext:
                 idx.append(own + r * L)
                 rows.append(torch.full((own.numel(),), r, dtype=torch.int64))
                 counts.append(own.numel())
+        capacity = None if self.pad_to is None else self.pad_to.get(L)
+        scatter = None
+        if capacity is not None:
+            scatter = _pad(idx, rows, counts, capacity, L)
         cu = torch.zeros(self.num_rows + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
         cu_k = torch.arange(self.num_rows + 1, dtype=torch.int32) * L
         dev = self.device
+        flat_idx = torch.cat(idx).to(dev, non_blocking=True)
         return TokenSet(
             L=L,
-            flat_idx=torch.cat(idx).to(dev, non_blocking=True),
+            flat_idx=flat_idx,
             row_of=torch.cat(rows).to(dev, non_blocking=True),
             cu_q=cu.to(dev, non_blocking=True),
             cu_k=cu_k.to(dev, non_blocking=True),
-            max_q=max(counts) if counts else 0,
+            # padded: a bound fixed by the bucket (no row has more than L queries)
+            max_q=L if capacity is not None else (max(counts) if counts else 0),
             num_rows=self.num_rows,
+            scatter_idx=None if scatter is None else torch.cat(scatter).to(dev, non_blocking=True),
         )
 
     def prepare_tokens(self) -> None:
@@ -424,7 +442,11 @@ class StepContext:
 
     def _fill_cached(self, block_id: int, out: torch.Tensor) -> None:
         """Copy every cache-reading request's rows of `block_id` at its step into `out`: by the
-        device step index in the graph form, else from the handle's block."""
+        device step index in the graph form, by the bound address tables in a bucketed graph,
+        else from the handle's block."""
+        if self.bound is not None:
+            self.bound.copy(block_id, out)
+            return
         if self.step_index is not None:
             for req in self.requests:
                 if req.handle is not None:
@@ -441,10 +463,20 @@ class StepContext:
         self, block_id: int, like: torch.Tensor, ts: TokenSet, fresh: torch.Tensor
     ) -> torch.Tensor:
         """The block's output (R, L, C): cached rows, with the freshly computed packed rows
-        `fresh` (T, C) scattered to their tokens."""
+        `fresh` (T, C) scattered to their tokens (a padded set's pads to a trash row past the
+        output: duplicates race only there)."""
         R, L, C = like.shape
-        out = self.output_buffer(block_id, like)
-        out.view(R * L, C).index_copy_(0, ts.flat_idx, fresh.to(out.dtype))
+        if ts.scatter_idx is None:
+            out = self.output_buffer(block_id, like)
+            out.view(R * L, C).index_copy_(0, ts.flat_idx, fresh.to(out.dtype))
+            return out
+        if self.loader is not None:
+            raise RuntimeError("padded token sets do not read through the pipelined loader")
+        self.masked_blocks.append(block_id)
+        flat = torch.empty((R * L + 1, C), dtype=like.dtype, device=self.device)
+        out = flat[: R * L].view(R, L, C)
+        self._fill_cached(block_id, out)
+        flat.index_copy_(0, ts.scatter_idx, fresh.to(out.dtype))
         return out
 
     def block_done(self, block_id: int) -> None:
@@ -457,6 +489,30 @@ class StepContext:
         for req in self.requests:
             if req.writer is not None:
                 req.writer.put_block(req.step, block_id, y[req.start : req.start + req.num_rows])
+
+
+def _pad(
+    idx: list[torch.Tensor], rows: list[torch.Tensor], counts: list[int], capacity: int, L: int
+) -> list[torch.Tensor]:
+    """Pad the per-row token lists (in place) to `capacity` tokens in all; the scatter indices.
+    Each row takes pads up to L tokens, rows in order, so a row's queries stay within its L
+    keys (max_q = L bounds every composition of the bucket). A pad of row r gathers token 0 of
+    r (a finite, row-local input) and scatters to R * L, the trash row."""
+    R = len(counts)
+    spare = capacity - sum(counts)
+    if spare < 0 or capacity > R * L:
+        raise ValueError(f"{sum(counts)} tokens of {R} rows of {L} do not pad to {capacity}")
+    scatter = list(idx)
+    for r in range(R):
+        n = min(spare, L - counts[r])
+        if n == 0:
+            continue
+        spare -= n
+        idx[r] = torch.cat([idx[r], torch.full((n,), r * L, dtype=torch.int64)])
+        scatter[r] = torch.cat([scatter[r], torch.full((n,), R * L, dtype=torch.int64)])
+        rows[r] = torch.cat([rows[r], torch.full((n,), r, dtype=torch.int64)])
+        counts[r] += n
+    return scatter
 
 
 def composition_key(batch: list) -> tuple:

@@ -43,12 +43,25 @@ from instgenie.engine.masked.timer import BlockTimer
 from instgenie.engine.request import RequestState
 from instgenie.errors import ModelLoadError
 from instgenie.lora.apply import Group, LoraBatch, use_lora
+from instgenie.scheduler import buckets
 from instgenie.scheduler.step import StepPlan
 
 
 def _fp8(state: RequestState) -> bool:
     meta = state.cache_meta
     return meta is not None and meta.cache_dtype.startswith("float8")
+
+
+def token_counts(ctx: StepContext) -> dict[int, int]:
+    """{L: packed tokens of all rows} on every grid the cache-reading requests' masks cover (a
+    row without a cache computes all L)."""
+    lengths = {L for r in ctx.requests if r.handle is not None for L in r.token_index}
+    return {
+        L: sum(
+            r.num_rows * (L if r.handle is None else r.token_index[L].numel()) for r in ctx.requests
+        )  # fmt: skip
+        for L in lengths
+    }
 
 
 def conv_layout(backbone: torch.nn.Module, blocks: list[hooks.BlockInfo]) -> ConvLayout | None:
@@ -118,6 +131,8 @@ class MaskedExecutor:
         #: CUDA-graph replay of steps whose composition repeats (engine/graphs.py); a graph
         #: whose step reads host memory owns a loader (its ring is part of the graph)
         self.graphs = StepGraphs(device, execution.cuda_graphs, capture=execution.graph_capture)
+        #: the lowest bucket rung a step may take (the warm-up raises it to capture every rung)
+        self.bucket_min_rung = 0
 
     def run_backbone(
         self,
@@ -138,7 +153,12 @@ class MaskedExecutor:
         ctx = self.context(batch, plan)
         loras = self.lora_batch(batch)
         try:
-            if plan.may_graph and self.graphs.eligible(ctx, dtype, self.block_order):
+            if self.graphs.capture == "buckets" and ctx is not None:
+                out = self._run_bucketed(batch, plan, ctx, dtype, loras, fn, args, kwargs)
+                if out is not None:
+                    return out
+                self.graphs.buckets.release()  # the last binding's sources may go
+            elif plan.may_graph and self.graphs.eligible(ctx, dtype, self.block_order):
                 # the LoraBatch itself: a graph reads its tensors, so it lives as long as the graph.
                 # Without a context (no member reads or records a cache) a graph reads nothing but
                 # its input tensors, copied in at every call: any batch of the same shapes (the
@@ -167,6 +187,22 @@ class MaskedExecutor:
                 except CacheMiss:
                     pass  # the next step's copy failed: its prepare() raises it for that request
             self.last_window_bytes = sum(w.bytes_copied for w, _ in windows) - copied
+
+    def _run_bucketed(self, batch, plan, ctx, dtype, loras, fn, args, kwargs) -> Any:
+        """The step through its bucket's graph (engine/bucket_graphs.py), or None: not
+        bucketed (ineligible, or no graph of its bucket; the caller runs it eagerly)."""
+        graphs = self.graphs
+        graphs.buckets.release_dead()
+        if not plan.may_graph or not graphs.eligible(ctx, dtype, self.block_order):
+            return None
+        if (not ctx.reads_cache or ctx.compute_all or self.convs is not None
+                or loras is not None or self._use_loader(ctx.requests)):  # fmt: skip
+            return None  # v1: the planner's compute-all sets, sparse convs, LoRA, streamed rows
+        bucket = buckets.pick(ctx.num_rows, token_counts(ctx), self.bucket_min_rung)
+        if bucket is None:
+            return None
+        return graphs.buckets.run(bucket, composition_key(batch), ctx, self.block_order, fn,
+                                  args, kwargs)  # fmt: skip
 
     def lora_batch(self, batch: list[RequestState]) -> LoraBatch | None:
         """The step's LoRA rows (None: no member applies an adapter this step); one object per

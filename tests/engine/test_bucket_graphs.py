@@ -1,0 +1,195 @@
+"""Bucketed step graphs (engine/bucket_graphs.py, graph_capture "buckets"), checked on CPU.
+
+A bucket's graph is captured at start and replayed by every composition of its bucket, so its
+graph form — token sets padded to the bucket's capacity and copied into static sets, cached
+rows read through device address tables — must compute what the plain path computes, whatever
+the composition, and pads must never reach a real output. `force_static` runs that form eagerly
+on CPU (replay itself: tests/engine/test_gpu_masked.py, marked gpu)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from instgenie.engine.graphs import StepGraphs
+from instgenie.engine.masked import bound_rows, context
+from instgenie.engine.pipeline import EditPipeline
+from instgenie.scheduler import buckets
+from instgenie.worker import warmup
+from tests.engine.test_graphs import _edit, _pipe, _run_staggered, _template
+
+REQS = (
+    ("a", 1, (0.1, 0.1, 0.4, 0.5), 3, None),
+    ("b", 2, (0.5, 0.2, 0.9, 0.7), 4, None),
+    ("c", None, (0.3, 0.3, 0.6, 0.6), 5, None),  # full path, in the same batch
+    ("d", 1, (0.0, 0.6, 1.0, 0.8), 6, None),
+    ("e", 2, (0.2, 0.0, 0.7, 0.4), 7, 1.0),  # no guidance on a CFG template: its cond row
+)
+
+
+def _requests(pipe: EditPipeline):
+    keys = {1: _template(pipe, 1), 2: _template(pipe, 2)}
+    return [_edit(u, None if t is None else keys[t], box, seed, guidance=g)
+            for u, t, box, seed, g in REQS]  # fmt: skip
+
+
+def _bucketed(pipe: EditPipeline, warming: bool = True) -> StepGraphs:
+    ex = pipe.family.masked
+    ex.graphs = StepGraphs(ex.device, "all", capture="buckets")
+    ex.graphs.force_static = True
+    ex.graphs.warming = warming  # entries are made on demand (on CUDA: captured) while set
+    return ex.graphs
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # padded GEMMs run at another M: the library may round real rows differently (float32)
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("step_copy", ["auto", "on"])
+def test_bucket_graph_form_equals_plain_path(family: str, step_copy: str, monkeypatch) -> None:
+    """Staggered joins and leaves (a new composition at every step; templates, paths, CFG and
+    no-CFG rows mixed), every step through a bucket's static sets and tables. step_copy "on":
+    the Triton indirect copy (interpreted on CPU)."""
+    if step_copy == "on" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the indirect copy kernel on CPU tensors needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(context, "STEP_COPY", step_copy)
+    pipe = _pipe(family)
+    reqs = _requests(pipe)
+    pipe.family.masked.graphs.mode = "off"
+    plain = _run_staggered(pipe, reqs)
+    graphs = _bucketed(pipe)
+    padded = _run_staggered(pipe, reqs)
+    assert graphs.counters["warmup"] >= len(reqs) + 1 and graphs.counters["capture"] == 0
+    for a, b in zip(plain, padded, strict=True):
+        assert _close(b, a)
+
+
+def test_compositions_of_one_bucket_share_its_graph(monkeypatch) -> None:
+    """A, then B (another template, another mask of the same size), then A again, each alone:
+    one bucket entry, rebound at each change (and not between steps of one composition), every
+    result equal to the plain path's."""
+    binds = []
+    bind = bound_rows.BoundRows.bind
+
+    def counting(self, ctx, blocks, key):
+        binds.append(key)
+        return bind(self, ctx, blocks, key)
+
+    monkeypatch.setattr(bound_rows.BoundRows, "bind", counting)
+    pipe = _pipe("flux-fill")
+    k1, k2 = _template(pipe, 1), _template(pipe, 2)
+    # boxes on the token grid (16 px at 128²): 2 x 2 tokens each
+    a, b = (0.125, 0.125, 0.375, 0.375), (0.5, 0.5, 0.75, 0.75)
+    reqs = [_edit("a", k1, a, 3), _edit("b", k2, b, 4), _edit("a2", k1, a, 5)]
+
+    def one_by_one():
+        out = []
+        for r in reqs:
+            state = pipe.preprocess(r)
+            while not state.is_done:
+                pipe.denoise_step([state])
+            out.append(state.latents)
+        return out
+
+    pipe.family.masked.graphs.mode = "off"
+    plain = one_by_one()
+    graphs = _bucketed(pipe)
+    padded = one_by_one()
+    assert len(graphs.buckets.entries) == 1 and len(binds) == len(reqs)
+    assert graphs.counters["warmup"] == 4 * len(reqs)
+    for a, b in zip(plain, padded, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_pads_never_reach_a_real_output(monkeypatch) -> None:
+    """Pads gather another token of their row (the last instead of the first): every real
+    output is bit-identical, so a pad's result goes to the trash row and nowhere else."""
+    family = "sdxl-inpaint"
+    pad = context._pad
+
+    def pad_last(idx, rows, counts, capacity, L):
+        scatter = pad(idx, rows, counts, capacity, L)
+        for r in range(len(idx)):
+            pads = scatter[r] == len(idx) * L
+            idx[r] = torch.where(pads, r * L + L - 1, idx[r])
+        return scatter
+
+    runs = []
+    for last in (False, True):
+        if last:
+            monkeypatch.setattr(context, "_pad", pad_last)
+        pipe = _pipe(family)
+        reqs = _requests(pipe)
+        graphs = _bucketed(pipe)
+        runs.append(_run_staggered(pipe, reqs))
+        assert graphs.counters["warmup"] > 0
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_padding_fills_rows_up_to_their_grid() -> None:
+    """_pad: each row takes pads up to L tokens, rows in order; pads gather token 0 of their
+    row and scatter to R * L; capacity beyond R * L or below the tokens is refused."""
+    L = 4
+    idx = [torch.tensor([1, 2]), torch.tensor([4, 5, 6, 7]), torch.tensor([9])]
+    rows = [torch.full((t.numel(),), r) for r, t in enumerate(idx)]
+    counts = [2, 4, 1]
+    scatter = context._pad(idx, rows, counts, 10, L)
+    assert counts == [4, 4, 2]
+    assert idx[0].tolist() == [1, 2, 0, 0] and idx[2].tolist() == [9, 8]
+    assert scatter[0].tolist() == [1, 2, 12, 12] and scatter[1].tolist() == [4, 5, 6, 7]
+    assert rows[2].tolist() == [2, 2]
+    for cap in (6, 13):
+        with pytest.raises(ValueError):
+            context._pad([t.clone() for t in idx], list(rows), [4, 4, 2], cap, L)
+
+
+def test_serving_never_captures() -> None:
+    """Outside the warm-up a step whose bucket has no graph runs eagerly: no entry is made, no
+    capture is asked for; a full-path shape without a graph likewise."""
+    pipe = _pipe("sdxl-inpaint")
+    reqs = _requests(pipe)
+    graphs = _bucketed(pipe, warming=False)
+    _run_staggered(pipe, reqs)
+    assert not graphs.buckets.entries and not graphs._entries
+    assert graphs.counters["eager"] > 0 and graphs.counters["warmup"] == 0
+    on_cuda = StepGraphs(torch.device("cuda"), capture="buckets")  # the policy only (no device)
+    assert not on_cuda._should_capture(False, (True, (2, 4, 8, 8)), None)
+    on_cuda.warming = True
+    assert on_cuda._should_capture(False, (False, (2, 4, 8, 8)), None)
+    assert not on_cuda._should_capture(True, (False, (2, 4, 8, 8)), None)
+
+
+def test_warm_up_makes_the_buckets_serving_uses_and_releases_them(family: str) -> None:
+    """The warm-up makes a graph per bucket rung and batch size and per full-path shape (on
+    CPU: their graph-form entries), keeps them with their tables zeroed and sources dropped,
+    and an edit served after it takes a bucket and equals the plain path."""
+    pipe = _pipe(family)
+    graphs = _bucketed(pipe, warming=False)
+    report = warmup.warm_up(pipe, max_batch=2)
+    assert report is not None and not graphs.warming
+    rows = {b.rows for b, *_ in graphs.buckets.entries}
+    per_request = min(rows)
+    assert rows == {per_request, 2 * per_request}
+    for n in rows:  # every rung from the tiny mask's own (tiny grids: one token is a large ratio)
+        rungs = sorted(b.rung for b, *_ in graphs.buckets.entries if b.rows == n)
+        assert rungs == list(range(rungs[0], len(buckets.RUNGS)))
+    assert report.graphs == len(graphs.buckets.entries) + len(graphs._entries) > 0
+    assert all(k[0][0] == () for k in graphs._entries)  # full-path shapes only
+    for e in graphs.buckets.entries.values():
+        assert e.bound.key is None and not e.bound._sources
+        assert not bool(e.bound.base.any())
+    entries = dict(graphs.buckets.entries)
+    reqs = _requests(pipe)[:2]
+    before = graphs.counters["warmup"]
+    served = _run_staggered(pipe, reqs)
+    assert graphs.counters["warmup"] > before  # steps took a bucket's graph form
+    assert graphs.buckets.entries == entries  # and made none
+    graphs.mode = "off"
+    for a, b in zip(_run_staggered(pipe, reqs), served, strict=True):
+        assert _close(b, a)
+    gc.collect()
