@@ -193,3 +193,20 @@ def test_warm_up_makes_the_buckets_serving_uses_and_releases_them(family: str) -
     for a, b in zip(_run_staggered(pipe, reqs), served, strict=True):
         assert _close(b, a)
     gc.collect()
+
+
+def test_an_eager_step_releases_the_bound_sources() -> None:
+    """Once a step runs outside the buckets (here a template's capture run), the last bucket's
+    tables are zeroed and its cache stacks no longer referenced, so an evicted template's memory
+    can go."""
+    pipe = _pipe("flux-fill")
+    graphs = _bucketed(pipe)
+    key = _template(pipe, 1)
+    state = pipe.preprocess(_edit("a", key, (0.125, 0.125, 0.375, 0.375), 3))
+    pipe.denoise_step([state])
+    (entry,) = graphs.buckets.entries.values()
+    assert entry.bound.key is not None and bool(entry.bound.base.any())
+    assert entry.bound._sources
+    _template(pipe, 2)  # its capture steps run eagerly
+    assert entry.bound.key is None and not entry.bound._sources
+    assert not bool(entry.bound.base.any())
