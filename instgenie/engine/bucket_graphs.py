@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
+from instgenie.engine.kernels import optional_kernel
 from instgenie.engine.masked import context as _context
 from instgenie.engine.masked.bound_rows import BoundRows
 from instgenie.engine.masked.context import StepContext, TokenSet, use_context
@@ -94,8 +95,8 @@ class BucketGraphs:
         key = (bucket, spec, tuple(leaves), tuple((t.shape, t.dtype, t.device) for t in tensors))
         entry = self.entries.get(key)
         lengths = sorted({L for r in ctx.requests if r.handle is not None for L in r.token_index})
-        if entry is None and not self.parent.warming:
-            return None
+        if entry is None and not (self.parent.warming and self._copy_kernel() is not None):
+            return None  # serving never captures; a CUDA graph needs the indirect copy kernel
         ctx.pad_to = {L: bucket.capacity(L) for L in lengths}
         ctx._tokens, ctx._joint = {}, {}  # padded sets, built for this bucket only
         masked = [b for b in block_ids if ctx.is_masked(b)]
@@ -147,11 +148,8 @@ class BucketGraphs:
     def _new_entry(self, bucket, ctx, tensors, spec, leaves, masked) -> _BucketEntry:
         ctx.prepare_tokens()
         tokens = {L: _clone_tokens(ts) for L, ts in ctx._tokens.items()}
-        # the kernel on CUDA (a graph must not bake the sources in); the reference elsewhere
-        # unless the step-copy kernel is forced on (CPU tests under TRITON_INTERPRET=1)
-        kernel = _context.kernel_enabled(_context.STEP_COPY, self.parent.device)
         num_blocks = max(masked, default=0) + 1
-        bound = BoundRows(num_blocks, bucket.rows, self.parent.device, kernel)
+        bound = BoundRows(num_blocks, bucket.rows, self.parent.device, self._copy_kernel())
         return _BucketEntry([t.clone() for t in tensors], spec, leaves, tokens, bound)
 
     def _bind(self, entry: _BucketEntry, ctx: StepContext, masked: list[int], members) -> None:
@@ -161,6 +159,19 @@ class BucketGraphs:
             _copy_tokens(static, ctx.tokens(L))
         entry.bound.bind(ctx, masked, members)
         self._bound = entry
+
+    def _copy_kernel(self) -> bool | None:
+        """How a bucket copies cached rows: True, the Triton kernel (always on CUDA: a graph
+        must not bake one composition's sources in); False, the torch reference (CPU, unless
+        the step-copy kernel is forced on: tests under TRITON_INTERPRET=1); None: no way (CUDA
+        without the kernel: no buckets)."""
+        device = self.parent.device
+        kernel = _context.kernel_enabled(_context.STEP_COPY, device)
+        if kernel and optional_kernel("step_copy", "copy_rows_indirect") is None:
+            kernel = False
+        if device.type == "cuda" and not kernel:
+            return None
+        return kernel
 
     @staticmethod
     def _use(entry: _BucketEntry, ctx: StepContext) -> None:
