@@ -14,9 +14,10 @@ changes is data, not the graph:
   kernel per block, the step index of each row written before each replay;
 - inputs: copied into static buffers, as for any graph.
 
-A step whose bucket was not captured (another size, more rows, a larger ratio) runs eagerly; a
-step never captures while serving (`StepGraphs.warming` is False). Only one entry is bound at a
-time: binding another, or an eager step, releases the previous one's sources.
+A step takes the lowest captured rung at or above its own; one with no captured bucket (another
+size, another row count, a larger ratio) runs eagerly; a step never captures while serving
+(`StepGraphs.warming` is False). Only one entry is bound at a time: binding another, an eager
+step, a step without a context, or a member finishing releases the previous one's sources.
 
 Equality: a replay runs the kernels of the padded graph form, whose real rows equal the plain
 path's at the same padded shape bit for bit and the unpadded plain path's within the GEMMs'
@@ -65,6 +66,8 @@ class _BucketEntry:
     graph: Any = None
     output: Any = None
     masked_blocks: list[int] = field(default_factory=list)
+    #: its capture failed (CUDA): serving does not use it
+    failed: bool = False
 
 
 class BucketGraphs:
@@ -92,11 +95,26 @@ class BucketGraphs:
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
-        key = (bucket, spec, tuple(leaves), tuple((t.shape, t.dtype, t.device) for t in tensors))
-        entry = self.entries.get(key)
+        shapes = (spec, tuple(leaves), tuple((t.shape, t.dtype, t.device) for t in tensors))
+        parent = self.parent
+        if parent.warming:
+            key = (bucket, *shapes)
+            entry = self.entries.get(key)
+            if entry is None and self._copy_kernel() is None:
+                return None  # a CUDA graph needs the indirect copy kernel
+        else:
+            # serving never captures: the lowest rung at or above the step's that has a graph
+            # (or, without CUDA, a graph-form entry); a failed capture's entry is not used
+            entry = None
+            for rung in range(bucket.rung, len(bucket.rungs)):
+                b = Bucket(bucket.rows, rung, bucket.rungs)
+                found = self.entries.get((b, *shapes))
+                if found is not None and not found.failed:
+                    bucket, key, entry = b, (b, *shapes), found
+                    break
+            if entry is None:
+                return None
         lengths = sorted({L for r in ctx.requests if r.handle is not None for L in r.token_index})
-        if entry is None and not (self.parent.warming and self._copy_kernel() is not None):
-            return None  # serving never captures; a CUDA graph needs the indirect copy kernel
         ctx.pad_to = {L: bucket.capacity(L) for L in lengths}
         ctx._tokens, ctx._joint = {}, {}  # padded sets, built for this bucket only
         masked = [b for b in block_ids if ctx.is_masked(b)]
@@ -104,11 +122,11 @@ class BucketGraphs:
             entry = self._new_entry(bucket, ctx, tensors, spec, leaves, masked)
             self.entries[key] = entry
         if self._bound is not entry or entry.bound.key != members:
-            self._bind(entry, ctx, masked, members)
+            if not self._bind(entry, ctx, masked, members):
+                return None  # a source the copy kernel cannot read: the plain path, eagerly
         for dst, src in zip(entry.static_inputs, tensors, strict=True):
             dst.copy_(src)
         entry.bound.write_steps(ctx)
-        parent = self.parent
         shape = ("bucket", bucket.rows, bucket.rung, tuple(tensors[0].shape))
         if entry.graph is not None:
             out = parent._timed("replay", shape, lambda: parent._replay(entry))
@@ -126,6 +144,7 @@ class BucketGraphs:
         except Exception as exc:  # this bucket stays eager; the step's output is the eager one
             end_failed_capture(parent.device)
             entry.graph = entry.output = None
+            entry.failed = True  # serving runs its steps on the plain path
             log.warning("bucket graph capture failed (%s: %s); its steps run eagerly",
                         type(exc).__name__, exc, exc_info=True)  # fmt: skip
             return parent._done("warmup", out)
@@ -152,13 +171,16 @@ class BucketGraphs:
         bound = BoundRows(num_blocks, bucket.rows, self.parent.device, self._copy_kernel())
         return _BucketEntry([t.clone() for t in tensors], spec, leaves, tokens, bound)
 
-    def _bind(self, entry: _BucketEntry, ctx: StepContext, masked: list[int], members) -> None:
-        if self._bound is not None and self._bound is not entry:
-            self._bound.bound.release()
+    def _bind(self, entry: _BucketEntry, ctx: StepContext, masked: list[int], members) -> bool:
+        """Bind `ctx`'s composition to `entry`; False (nothing bound) when a source cannot be
+        read by the copy kernel."""
+        self.release()
         for L, static in entry.tokens.items():
             _copy_tokens(static, ctx.tokens(L))
-        entry.bound.bind(ctx, masked, members)
+        if not entry.bound.bind(ctx, masked, members):
+            return False
         self._bound = entry
+        return True
 
     def _copy_kernel(self) -> bool | None:
         """How a bucket copies cached rows: True, the Triton kernel (always on CUDA: a graph

@@ -19,7 +19,7 @@ from instgenie.engine.masked import bound_rows, context
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.scheduler import buckets
 from instgenie.worker import warmup
-from tests.engine.test_graphs import _edit, _pipe, _run_staggered, _template
+from tests.engine.test_graphs import STEPS, _edit, _pipe, _run_staggered, _template
 
 REQS = (
     ("a", 1, (0.1, 0.1, 0.4, 0.5), 3, None),
@@ -210,3 +210,63 @@ def test_an_eager_step_releases_the_bound_sources() -> None:
     _template(pipe, 2)  # its capture steps run eagerly
     assert entry.bound.key is None and not entry.bound._sources
     assert not bool(entry.bound.base.any())
+
+
+def test_serving_takes_the_lowest_captured_rung_and_skips_failed_ones() -> None:
+    """A step whose own rung has no graph replays the lowest captured rung above it (more
+    pads, the same result); a bucket whose capture failed is never used: the plain path."""
+    pipe = _pipe("flux-fill")
+    ex = pipe.family.masked
+    graphs = _bucketed(pipe)
+    key = _template(pipe, 1)
+    req = _edit("a", key, (0.125, 0.125, 0.375, 0.375), 3)
+    ex.graphs.mode = "off"
+    (plain,) = _run_staggered(pipe, [req])
+    ex.graphs.mode = "all"
+    top = len(buckets.RUNGS) - 1
+    ex.bucket_min_rung = top  # the warm-up's forcing: only the top rung gets an entry
+    _run_staggered(pipe, [req])
+    ex.bucket_min_rung = 0
+    ((bucket, *_),) = graphs.buckets.entries
+    assert bucket.rung == top
+    graphs.warming = False
+    before = graphs.counters["warmup"]
+    (served,) = _run_staggered(pipe, [req])
+    assert graphs.counters["warmup"] - before == STEPS and len(graphs.buckets.entries) == 1
+    assert torch.equal(served, plain)
+    (entry,) = graphs.buckets.entries.values()
+    entry.failed = True
+    before = graphs.counters["eager"]
+    (eager,) = _run_staggered(pipe, [req])
+    assert graphs.counters["eager"] - before == STEPS and torch.equal(eager, plain)
+
+
+def test_a_finished_member_releases_the_binding() -> None:
+    """When a member's last step is done its handle closes next (its memory is freed and no
+    longer counted): no binding may still name its stacks."""
+    pipe = _pipe("flux-fill")
+    graphs = _bucketed(pipe)
+    state = pipe.preprocess(_edit("a", _template(pipe, 1), (0.125, 0.125, 0.375, 0.375), 3))
+    while state.step_index < STEPS - 1:
+        pipe.denoise_step([state])
+    (entry,) = graphs.buckets.entries.values()
+    assert entry.bound.key is not None
+    pipe.denoise_step([state])
+    assert state.is_done and entry.bound.key is None and not entry.bound._sources
+
+
+def test_a_source_the_kernel_cannot_read_is_not_bound() -> None:
+    """A stack whose step slice is not contiguous: bind refuses (the step runs eagerly)."""
+
+    class Handle:
+        device = torch.device("cpu")
+
+        def block_steps(self, block, device):
+            return torch.zeros(3, 2, 8, 4).transpose(2, 3)  # (S, rows, C, L) viewed as (L, C)
+
+    rows = [context.RequestRows(start=0, num_rows=2, step=1, handle=Handle(),
+                                token_index={32: torch.tensor([0])})]  # fmt: skip
+    ctx = context.StepContext(rows, torch.device("cpu"))
+    bound = bound_rows.BoundRows(1, 2, torch.device("cpu"), kernel=False)
+    assert bound.bind(ctx, [0], "key") is False and bound.key is None
+    assert not bool(bound.base.any())

@@ -42,8 +42,10 @@ class BoundRows:
         #: what is bound (the composition's key), None when released
         self.key: Any = None
 
-    def bind(self, ctx: StepContext, blocks: list[int], key: Any) -> None:
-        """Name the sources of `ctx`'s cache-reading rows for every block in `blocks`."""
+    def bind(self, ctx: StepContext, blocks: list[int], key: Any) -> bool:
+        """Name the sources of `ctx`'s cache-reading rows for every block in `blocks`; False
+        (nothing bound) when one is not readable in place, or its step slice is not one
+        contiguous run of the block's (L, C) rows (what the kernel copies)."""
         if ctx.num_rows != self.rows:
             raise ValueError(f"{ctx.num_rows} rows bound to tables of {self.rows}")
         base = torch.zeros(self.base.shape, dtype=torch.int64)
@@ -55,8 +57,8 @@ class BoundRows:
                 if req.handle is None:
                     continue
                 stack = req.handle.block_steps(b, self.device)  # (S, rows, L, C)
-                if stack is None:
-                    raise RuntimeError(f"block {b} of a bound request is not readable in place")
+                if stack is None or stack.device != self.device or not stack[0].is_contiguous():
+                    return False
                 first = stack.shape[1] - req.num_rows  # a CFG template serves its cond row
                 for j in range(req.num_rows):
                     src = stack[:, first + j]
@@ -65,11 +67,12 @@ class BoundRows:
                     base[b, row] = src.data_ptr()
                     stride[b, row] = src.stride(0)
             sources[b] = row_src
-        # stream-ordered after every replay already queued (they read the old sources, which
-        # stay referenced until this returns)
-        self.base.copy_(base.to(self.device, non_blocking=True))
-        self.stride.copy_(stride.to(self.device, non_blocking=True))
+        # stream-ordered after every replay already queued; from pinned memory on CUDA, so the
+        # host does not wait for those replays to stage a pageable copy
+        self.base.copy_(_host(base, self.device), non_blocking=True)
+        self.stride.copy_(_host(stride, self.device), non_blocking=True)
         self._sources, self.key = sources, key
+        return True
 
     def write_steps(self, ctx: StepContext) -> None:
         """Each cache-reading row's step (a host window's slot) into `steps`."""
@@ -97,3 +100,9 @@ class BoundRows:
         from triton_kernels.step_copy import copy_rows_indirect_reference
 
         copy_rows_indirect_reference(self._sources.get(block_id, []), self.steps, out)
+
+
+def _host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor to copy to `device` without blocking: pinned for CUDA (the caching host
+    allocator keeps it until the copy is done)."""
+    return t.pin_memory() if device.type == "cuda" else t

@@ -153,6 +153,8 @@ class MaskedExecutor:
         ctx = self.context(batch, plan)
         loras = self.lora_batch(batch)
         try:
+            if self.graphs.capture == "buckets" and ctx is None:
+                self.graphs.buckets.release()  # no cache read: the last binding's sources go
             if self.graphs.capture == "buckets" and ctx is not None:
                 out = self._run_bucketed(batch, plan, ctx, dtype, loras, fn, args, kwargs)
                 if out is not None:
@@ -198,6 +200,10 @@ class MaskedExecutor:
         if (not ctx.reads_cache or ctx.compute_all or self.convs is not None
                 or loras is not None or self._use_loader(ctx.requests)):  # fmt: skip
             return None  # v1: the planner's compute-all sets, sparse convs, LoRA, streamed rows
+        if any(r.handle is not None and r.handle.device != self.device
+               and getattr(r.handle, "window", None) is None for r in ctx.requests):  # fmt: skip
+            return None  # host rows read in place ("naive" loading): their pins end with the
+            # handle, which a binding outlives
         bucket = buckets.pick(ctx.num_rows, token_counts(ctx), self.bucket_min_rung)
         if bucket is None:
             return None
@@ -363,6 +369,10 @@ class MaskedExecutor:
 
     def after_step(self, batch: list[RequestState]) -> None:
         """Called once the batch's latents and step indices have advanced."""
+        if any(s.is_done for s in batch):
+            # a finished member's handle closes next (its window or device copy is freed and no
+            # longer counted): the bucket binding naming its stacks goes first
+            self.graphs.buckets.release()
         for s in batch:
             step = s.step_index - 1
             if s.writer is not None:
