@@ -4,7 +4,7 @@ A bucket's graph is captured at start and replayed by every composition of its b
 graph form — token sets padded to the bucket's capacity and copied into static sets, cached
 rows read through device address tables — must compute what the plain path computes, whatever
 the composition, and pads must never reach a real output. `force_static` runs that form eagerly
-on CPU (replay itself: tests/engine/test_gpu_masked.py, marked gpu)."""
+on CPU (replay itself: tests/engine/test_gpu_bucket_graphs.py, marked gpu)."""
 
 from __future__ import annotations
 

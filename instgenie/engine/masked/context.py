@@ -28,6 +28,7 @@ from instgenie.engine.masked.bound_rows import BoundRows
 from instgenie.engine.masked.conv_layout import ConvLayout, decode_stats, encode_stats
 from instgenie.engine.masked.tiles import TileSet, build_tiles
 from instgenie.engine.masked.timer import BlockTimer
+from instgenie.engine.masked.token_sets import JointSet, TokenSet, _pad
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
     "instgenie_step_context", default=None
@@ -104,48 +105,6 @@ class RequestRows:
     token_index: dict[int, torch.Tensor] | None = None
     #: where its block outputs go (capture), else None
     writer: CacheWriter | None = None
-
-
-@dataclass
-class TokenSet:
-    """Packed masked tokens of all rows for one token count L (indices on the model's device)."""
-
-    L: int
-    #: (T,) int64 indices into the batch flattened to (R * L, C)
-    flat_idx: torch.Tensor
-    #: (T,) int64 row of each packed token
-    row_of: torch.Tensor
-    #: (R + 1,) int32 cumulative query counts, and cumulative key counts (r * L)
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    num_rows: int
-    #: padded to a bucket's capacity (StepContext.pad_to): (T,) int64 where each packed row's
-    #: result goes, R * L (the output's trash row) for a pad; None: flat_idx (no pads)
-    scatter_idx: torch.Tensor | None = None
-
-    @property
-    def total(self) -> int:
-        return int(self.flat_idx.shape[0])
-
-
-@dataclass
-class JointSet:
-    """Flux joint sequences: per row, queries [text (Tt); masked image tokens], keys
-    [text (Tt); all image tokens (L)]. Indices on the model's device."""
-
-    #: (Q,) indices into the batch's joint tokens flattened to (R * (Tt + L), C), Q = R*Tt + T
-    sel: torch.Tensor
-    #: (R * Tt,) and (T,) positions of text / image queries within the packed Q order
-    txt_pos: torch.Tensor
-    img_pos: torch.Tensor
-    #: (Q,) position of each query within its row's joint sequence (indexes the RoPE tables)
-    pos_in_row: torch.Tensor
-    #: (Q,) row of each query
-    row_of: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
 
 
 class StepContext:
@@ -489,30 +448,6 @@ class StepContext:
         for req in self.requests:
             if req.writer is not None:
                 req.writer.put_block(req.step, block_id, y[req.start : req.start + req.num_rows])
-
-
-def _pad(
-    idx: list[torch.Tensor], rows: list[torch.Tensor], counts: list[int], capacity: int, L: int
-) -> list[torch.Tensor]:
-    """Pad the per-row token lists (in place) to `capacity` tokens in all; the scatter indices.
-    Each row takes pads up to L tokens, rows in order, so a row's queries stay within its L
-    keys (max_q = L bounds every composition of the bucket). A pad of row r gathers token 0 of
-    r (a finite, row-local input) and scatters to R * L, the trash row."""
-    R = len(counts)
-    spare = capacity - sum(counts)
-    if spare < 0 or capacity > R * L:
-        raise ValueError(f"{sum(counts)} tokens of {R} rows of {L} do not pad to {capacity}")
-    scatter = list(idx)
-    for r in range(R):
-        n = min(spare, L - counts[r])
-        if n == 0:
-            continue
-        spare -= n
-        idx[r] = torch.cat([idx[r], torch.full((n,), r * L, dtype=torch.int64)])
-        scatter[r] = torch.cat([scatter[r], torch.full((n,), R * L, dtype=torch.int64)])
-        rows[r] = torch.cat([rows[r], torch.full((n,), r, dtype=torch.int64)])
-        counts[r] += n
-    return scatter
 
 
 def composition_key(batch: list) -> tuple:
