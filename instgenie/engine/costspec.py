@@ -81,4 +81,12 @@ def model_cost_spec(
         **(profile_fits(profile, loop_stages) if profile is not None else {}),
         profile=profile_path if profile is not None else "",
         compute_margin=int(fam.compute_margin if compute_margin is None else compute_margin),
+        buckets=buckets_on(fam),
     )
+
+
+def buckets_on(fam) -> bool:  # noqa: ANN001 - a loaded model family
+    """Its masked steps replay bucket graphs (engine/bucket_graphs.py: CUDA, graphs not off)."""
+    ex = fam.execution
+    return (ex.graph_capture == "buckets" and ex.cuda_graphs != "off"
+            and str(fam.device).startswith("cuda"))  # fmt: skip

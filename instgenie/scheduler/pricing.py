@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from instgenie.scheduler import buckets
 from instgenie.scheduler.fits import fit_ms
 from instgenie.scheduler.planner import BlockCosts
 from instgenie.scheduler.spec import BlockSpec, CostSpec, block_class
@@ -36,6 +37,8 @@ NOMINAL_FLOPS_PER_MS = 1e11
 _LAYOUTS_MAX = 64
 
 
+#: BlockSpec kinds of sparse conv blocks (engine/masked/conv_blocks.py)
+CONV_KINDS = ("resnet", "down", "up")
 #: sparse convs: tokens of the active tiles per masked token (partly covered tiles at a mask's
 #: edge; measured 1.2-1.6 on blob masks of ratio 0.05-0.35 with 8x8 tiles), and the tile side
 TILE_WASTE = 1.4
@@ -65,7 +68,7 @@ def conv_row_macs(d: BlockSpec, L: int, n: int) -> int:
 def row_macs(d: BlockSpec, L: int, n: int, text_len: int) -> int:
     """Multiply-adds of one batch row computing n of its L image tokens (n = L: full)."""
     C = d.channels
-    if d.kind in ("resnet", "down", "up"):
+    if d.kind in CONV_KINDS:
         return conv_row_macs(d, L, n)
     if d.kind == "unet":
         macs = 2 * n * C * C + 2 * L * C * C + 2 * n * L * C + n * d.ff_macs
@@ -157,13 +160,20 @@ def step_costs(spec: CostSpec, pixels: int, works: Sequence[RequestWork]) -> Blo
     rows = sum(w.rows for w in works)
     dram = spec.load.get("dram")
     fits = [spec.load.get(w.load_tier, dram) if w.loads else None for w in works]
+    grids = {s: max(1, pixels // (s * s)) for s in lay.strides}  # stride -> tokens a row
+    per_row = {  # stride -> masked tokens of each batch row
+        s: [L if tk is None else tk[s] for w, tk in zip(works, toks, strict=True)
+            for _ in range(w.rows)]
+        for s, L in grids.items()
+    }  # fmt: skip
+    if reads:
+        per_row = padded(spec, works, grids, per_row)
     per_kind = []
     for d, stride in lay.kinds:
-        L = max(1, pixels // (stride * stride))
-        counts: Counter[int] = Counter()  # masked tokens per row -> rows
+        L = grids[stride]
+        counts = Counter(per_row[stride])  # masked tokens per row -> rows
         load = 0.0
-        for w, tk, fit in zip(works, toks, fits, strict=True):
-            counts[L if tk is None else tk[stride]] += w.rows
+        for w, fit in zip(works, fits, strict=True):
             if w.loads:  # one copy per request, each priced by its tier's fit
                 load += fit_ms(fit, cached_bytes(L, d.channels, w.rows, spec.cache_dtype))
         # = batch_flops(d, L, rows' masked tokens, t): a sum of per-row terms
@@ -174,6 +184,36 @@ def step_costs(spec: CostSpec, pixels: int, works: Sequence[RequestWork]) -> Blo
             cached = _compute_ms(spec, d, "cached", flops)
         per_kind.append((cached, full, load))
     return BlockCosts.from_kinds(per_kind, lay.seq)
+
+
+def padded(
+    spec: CostSpec,
+    works: Sequence[RequestWork],
+    grids: dict[int, int],
+    per_row: dict[int, list[int]],
+) -> dict[int, list[int]]:
+    """The masked tokens of each row (`per_row`: stride -> list over batch rows) as a worker with
+    bucket graphs computes them (engine/masked/context.py `pad_to`): raised to the capacity of the
+    step's bucket (scheduler/buckets.py), the pads filling rows in order up to their grid's
+    `grids[stride]` tokens. Unchanged where the step runs eagerly: no buckets, more requests than
+    buckets are captured for, sparse conv blocks, rows streamed from the host each step, or
+    more tokens than the top rung holds."""
+    if (not spec.buckets or len(works) > buckets.MAX_REQUESTS or any(w.loads for w in works)
+            or any(b.kind in CONV_KINDS for b in spec.blocks)):  # fmt: skip
+        return per_row
+    rows = sum(w.rows for w in works)
+    bucket = buckets.pick(rows, {grids[s]: sum(n) for s, n in per_row.items()})
+    if bucket is None:
+        return per_row
+    out = {}
+    for s, ns in per_row.items():
+        L, pads = grids[s], bucket.capacity(grids[s]) - sum(ns)
+        out[s] = []
+        for n in ns:
+            add = min(pads, L - n)
+            out[s].append(n + add)
+            pads -= add
+    return out
 
 
 def _compute_ms(spec: CostSpec, d: BlockSpec, mode: str, flops: float) -> float:

@@ -65,6 +65,9 @@ class CostSpec:
     #: pixels around an edit's mask its masked path computes too (ModelConfig.compute_margin):
     #: the router dilates masks by it before measuring token ratios
     compute_margin: int = 0
+    #: masked steps pad their packed tokens up to a bucket's capacity and replay its graph
+    #: (ExecConfig.graph_capture "buckets" on CUDA, scheduler/buckets.py): pricing adds the pads
+    buckets: bool = False
 
 
 def profile_fits(profile: Profile, loop_stages: bool = True) -> dict:

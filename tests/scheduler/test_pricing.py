@@ -68,3 +68,34 @@ def test_from_kinds_equals_the_checked_constructor_and_keeps_its_invariants() ->
             BlockCosts.from_kinds([bad], (0,))
     with pytest.raises(ValueError, match="overflows"):
         BlockCosts.from_kinds([(1e308, 1.0, 0.0)], (0, 0))
+
+
+def test_bucket_graphs_price_the_pads_of_the_steps_bucket() -> None:
+    """A worker with bucket graphs (CostSpec.buckets) runs a masked step padded to its bucket's
+    capacity on every grid (scheduler/buckets.py): the cached compute is priced at the padded
+    tokens, the full compute is not, and steps that run eagerly are priced unpadded."""
+    spec = dataclasses.replace(SPEC, buckets=True)
+    works = [RequestWork(2, TOKENS)]  # 100 of 1024 and 30 of 256 tokens a row, two rows
+    # ratios 200/2048 and 60/512: rung 5 (0.04 * 1.25**5 = 0.122) is the lowest holding both
+    cap16, cap32 = math.ceil(0.04 * 1.25**5 * 2048), math.ceil(0.04 * 1.25**5 * 512)
+    assert (cap16, cap32) == (250, 63)
+    padded = {16: [150, 100], 32: [33, 30]}  # pads fill rows in order, up to L each
+    got, plain = step_costs(spec, PX, works), step_costs(SPEC, PX, works)
+    for b, cached, was in zip(BLOCKS, got.compute_cached, plain.compute_cached, strict=True):
+        L = PX // b.stride**2
+        assert cached == batch_flops(b, L, padded[b.stride], 77) / NOMINAL_FLOPS_PER_MS
+        assert cached > was
+    assert got.compute_full == plain.compute_full
+    eager = [
+        [RequestWork(1, TOKENS)] * 5,  # more requests than buckets are captured for
+        [RequestWork(2, TOKENS, loads=True)],  # rows streamed from the host every step
+        [RequestWork(2, ((16, 700), (32, 200)))],  # above the top rung (0.5)
+    ]
+    for batch in eager:
+        assert step_costs(spec, PX, batch) == step_costs(SPEC, PX, batch)
+    conv = BlockSpec(block_id=4, kind="resnet", channels=320, ff_macs=0, stride=16,
+                     in_channels=320)  # fmt: skip
+    convs = dataclasses.replace(SPEC, blocks=[*BLOCKS, conv])
+    assert step_costs(dataclasses.replace(convs, buckets=True), PX, works) == step_costs(
+        convs, PX, works
+    )
