@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from instgenie.cache.store import on_device
 from instgenie.engine.kernels import optional_kernel
 
 if TYPE_CHECKING:
@@ -57,7 +58,8 @@ class BoundRows:
                 if req.handle is None:
                     continue
                 stack = req.handle.block_steps(b, self.device)  # (S, rows, L, C)
-                if stack is None or stack.device != self.device or not stack[0].is_contiguous():
+                if (stack is None or not on_device(stack, self.device)  # "cuda" names cuda:0
+                        or not stack[0].is_contiguous()):  # fmt: skip
                     return False
                 first = stack.shape[1] - req.num_rows  # a CFG template serves its cond row
                 for j in range(req.num_rows):
