@@ -14,7 +14,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "flash", "sdpa")
 #: ExecConfig.cuda_graphs values (engine/graphs.py MODES)
 GRAPH_MODES = ("all", "masked", "off")
 #: ExecConfig.graph_capture values (engine/graphs.py CAPTURE_POLICIES)
-CAPTURE_POLICIES = ("auto", "always", "buckets")
+CAPTURE_POLICIES = ("buckets", "auto", "always")
 #: ExecConfig.fused_* values (engine/kernels.py kernel_enabled)
 KERNEL_MODES = ("auto", "on", "off")
 #: ExecConfig.sparse_convs values (engine/masked/conv_blocks.py)
@@ -46,11 +46,12 @@ class ExecConfig:
     #: which denoising steps replay CUDA graphs: "all" | "masked" (only steps that read a
     #: template cache) | "off" (also no text-encoder graphs) (engine/graphs.py, decision 0011)
     cuda_graphs: str = _switch("all", "INSTGENIE_CUDA_GRAPHS", GRAPH_MODES)
-    #: when a step composition is captured: "auto" (only when its measured costs say the graph
-    #: pays before the batch changes) | "always" (every eligible one on its second call)
-    #: (decision 0020) | "buckets" (at start only: masked steps pad to a bucket of rows and
-    #: token capacity and replay its graph, else run eagerly; decision 0051)
-    graph_capture: str = _switch("auto", "INSTGENIE_GRAPH_CAPTURE", CAPTURE_POLICIES)
+    #: when step graphs are captured: "buckets" (at start only: masked steps pad to a bucket of
+    #: rows and token capacity and replay its graph, full-path steps replay the warm-up's shape,
+    #: everything else runs eagerly; serving never captures; decision 0051) | "auto" (while
+    #: serving, each composition whose measured costs say the graph pays before the batch
+    #: changes) | "always" (every eligible one on its second call) (decision 0020)
+    graph_capture: str = _switch("buckets", "INSTGENIE_GRAPH_CAPTURE", CAPTURE_POLICIES)
     #: let cuDNN pick convolution algorithms by timing them (torch.backends.cudnn.benchmark) on
     #: CUDA; off: its heuristics
     cudnn_benchmark: bool = _switch(False, "INSTGENIE_CUDNN_BENCHMARK")

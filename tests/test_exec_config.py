@@ -57,7 +57,7 @@ def test_defaults_and_round_trip_through_the_worker_config() -> None:
     environment."""
     assert to_dict(ExecConfig()) == {
         "attention_backend": "auto", "channels_last": True, "cuda_graphs": "all",
-        "graph_capture": "auto", "cudnn_benchmark": False, "fused_group_norm": "auto",
+        "graph_capture": "buckets", "cudnn_benchmark": False, "fused_group_norm": "auto",
         "fused_geglu": "auto", "fused_conv_bias": "auto", "sparse_convs": "off",
         "png_compression": "fast", "cropped_decode": "auto",
     }  # fmt: skip
@@ -85,7 +85,7 @@ def test_a_flag_wins_over_its_variable_which_wins_over_the_default(clean_env) ->
     clean_env.setenv("INSTGENIE_CUDA_GRAPHS", " Masked ")
     clean_env.setenv("INSTGENIE_CUDNN_BENCHMARK", "yes")
     got = exec_at_start()
-    assert (got.cuda_graphs, got.cudnn_benchmark, got.graph_capture) == ("masked", True, "auto")
+    assert (got.cuda_graphs, got.cudnn_benchmark, got.graph_capture) == ("masked", True, "buckets")
     got = exec_at_start("--cuda-graphs", "off", "--no-cudnn-benchmark")
     assert (got.cuda_graphs, got.cudnn_benchmark) == ("off", False)
     assert env_overrides(ExecConfig, {"INSTGENIE_UNET_CHANNELS_LAST": "FALSE"}) == {

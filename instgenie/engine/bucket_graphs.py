@@ -21,7 +21,8 @@ step, a step without a context, or a member finishing releases the previous one'
 
 Equality: a replay runs the kernels of the padded graph form, whose real rows equal the plain
 path's at the same padded shape bit for bit and the unpadded plain path's within the GEMMs'
-shape-dependent rounding (tests/engine/test_bucket_graphs.py; replay on CUDA: test_gpu_bucket_graphs.py).
+shape-dependent rounding (tests/engine/test_bucket_graphs.py; replay on CUDA:
+tests/engine/test_gpu_bucket_graphs.py).
 """
 
 from __future__ import annotations

@@ -20,8 +20,11 @@ graph form; tests marked gpu check replay). A failed capture turns graphs off fo
 the step runs eagerly (logged once).
 
 Whether and when a composition is captured (ExecConfig.graph_capture, decision 0020):
+- "buckets" (default; decision 0051, engine/bucket_graphs.py): only while the worker warms up
+  (`warming`): a masked step pads to its bucket and replays that bucket's graph, a full-path
+  step replays the graph of its shape; serving never captures, and the rest runs eagerly.
 - "always": every eligible composition on its second call (the behaviour above).
-- "auto" (default): only when it is expected to pay before the composition changes. The serving
+- "auto": only when it is expected to pay before the composition changes. The serving
   loop passes each step's `horizon`: the steps until the batch's first member finishes (an upper
   bound; arrivals are not predicted). Each kind of call is timed per batch shape (`CallCosts`),
   and a capture needs capture + (horizon - 1) replays < horizon eager calls. A capture runs the
@@ -76,7 +79,7 @@ MODES = ("all", "masked", "off")
 #: what one backbone call did, costliest first: a capture runs the step's Python under capture
 #: and then replays it; a warm-up and an eager call run it eagerly; a replay only launches
 CALL_KINDS = ("capture", "warmup", "eager", "replay")
-CAPTURE_POLICIES = ("auto", "always", "buckets")
+CAPTURE_POLICIES = ("buckets", "auto", "always")
 #: calls of one kind and batch shape whose median prices it (the newest are kept), count
 COST_SAMPLES = 8
 #: fewer samples than this and the cost counts as unknown (one slow first capture, e.g. a fresh

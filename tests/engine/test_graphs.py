@@ -33,17 +33,17 @@ from instgenie.engine.masked import context
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
+from instgenie.exec_config import ExecConfig
 from tests.conftest import make_image, make_mask, png_bytes
 
 STEPS = 4
 
 
 def _pipe(family: str, store: InMemoryStore | None = None) -> EditPipeline:
-    return (
-        EditPipeline.load(f"{family}:tiny")
-        if store is None
-        else EditPipeline(EditPipeline.load(f"{family}:tiny").family, store=store)
-    )
+    """A tiny pipeline whose graphs capture compositions while serving ("auto", what these
+    tests check; bucket graphs: tests/engine/test_bucket_graphs.py)."""
+    loaded = EditPipeline.load(f"{family}:tiny", execution=ExecConfig(graph_capture="auto"))
+    return loaded if store is None else EditPipeline(loaded.family, store=store)
 
 
 def _template(pipe: EditPipeline, seed: int) -> str:

@@ -21,6 +21,7 @@ from instgenie.cache.tiered import TieredStore
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
+from instgenie.exec_config import ExecConfig
 from instgenie.worker import warmup
 from tests.conftest import make_image, make_mask, png_bytes
 
@@ -38,10 +39,11 @@ def _edit_after_capture(pipe: EditPipeline) -> tuple[torch.Tensor, str]:
     return state.latents, state.path.value
 
 
-def _fresh(family: str, store=None) -> EditPipeline:
+def _fresh(family: str, store=None, capture: str = "auto") -> EditPipeline:
     """A pipeline on a model of its own (tiny_pipeline's is shared by the session), running
-    the graph form's static buffers without CUDA."""
-    fam = EditPipeline.load(f"{family}:tiny").family
+    the graph form's static buffers without CUDA; its graphs capture compositions while
+    serving (`capture` "auto": the warm-up runs each once) or at start ("buckets")."""
+    fam = EditPipeline.load(f"{family}:tiny", execution=ExecConfig(graph_capture=capture)).family
     fam.masked.graphs.force_static = True
     return EditPipeline(fam, store=store)
 
@@ -74,12 +76,15 @@ def test_warm_up_runs_the_serving_paths_and_leaves_nothing(family: str, tmp_path
     assert torch.equal(warmed[0], cold[0])
 
 
+@pytest.mark.parametrize("capture", ["auto", "buckets"])
 @pytest.mark.parametrize("fails", [False, True], ids=["ok", "fails"])
-def test_warm_up_frees_its_scratch_cache(family: str, fails: bool, monkeypatch) -> None:
+def test_warm_up_frees_its_scratch_cache(
+    family: str, fails: bool, capture: str, monkeypatch
+) -> None:
     """Nothing keeps the warm-up template's cache (on a GPU: device memory) alive once the
-    warm-up returns, graph form included, also when it fails (then it returns None and the
-    worker serves cold): the device tier sizes itself from the memory free then. One request
-    per batch (max_batch 1)."""
+    warm-up returns, graph form included — bucket graphs too, which it keeps unbound — also
+    when it fails (then it returns None and the worker serves cold): the device tier sizes
+    itself from the memory free then. One request per batch (max_batch 1)."""
     refs: list[weakref.ref] = []
 
     class Recorded(InMemoryStore):
@@ -94,16 +99,21 @@ def test_warm_up_frees_its_scratch_cache(family: str, fails: bool, monkeypatch) 
     monkeypatch.setattr(warmup, "InMemoryStore", Recorded)
     if fails:
         monkeypatch.setattr(EditPipeline, "decode_latents", broken_decode)
-    pipe = _fresh(family)
+    pipe = _fresh(family, capture=capture)
+    graphs = pipe.family.masked.graphs
     prompts = pipe.family.prompts.stats()
     report = warmup.warm_up(pipe, max_batch=1)
     if fails:
         assert report is None
-    else:
+    elif capture == "auto":
         assert (report.steps, report.masked, report.decoded) == (3 * warmup.WARMUP_STEPS, 2, 3)
+    else:  # bucket graphs kept (every rung the tiny mask fits), none bound
+        assert report.graphs >= 2, report
+        assert graphs.buckets.entries and graphs.buckets._bound is None
     gc.collect()
     assert refs and not [r for r in refs if r() is not None], "the scratch cache outlived it"
-    assert not pipe.family.masked.graphs._entries
+    if capture == "auto" or fails:
+        assert not graphs._entries
     assert pipe.family.prompts.stats() == prompts
 
 
