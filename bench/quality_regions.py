@@ -14,9 +14,7 @@ serving feature (a served template has no garment segmentation today).
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -28,23 +26,13 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from instgenie.dataset import classifier  # noqa: E402
 from instgenie.engine.imageio import paste_back  # noqa: E402
-from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.engine.templates import TemplateSpec  # noqa: E402
 from instgenie.reference import evaluate  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="sdxl-inpaint:ref")
-    p.add_argument("--cases", type=int, default=24)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args()
-    pipe = EditPipeline.load(args.model, device=args.device)
-    clf = classifier.RegionClassifier.load(classifier.DEFAULT_WEIGHTS)
+    args, pipe, clf = evaluate.experiment_setup(__doc__, "sdxl-inpaint:ref")
     token_masks, widen = pipe.family.token_masks, [None]
 
     def widened(mask: torch.Tensor) -> dict:
@@ -79,16 +67,7 @@ def main() -> int:
                for v in ("full", "masked", "garment")}  # fmt: skip
     for v in ("masked", "garment"):
         summary[v]["ssim_mask"] = round(float(np.mean([r[v]["ssim_mask"] for r in rows])), 5)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
-    record = {"model": args.model, "steps": args.steps, "cases": len(rows), "summary": summary,
-              "rows": rows, "device": args.device, "torch": torch.__version__, "commit": commit,
-              "seconds": round(time.monotonic() - t0, 1),
-              "command": " ".join(sys.argv)}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = evaluate.output_name(args.model)
-    (args.out / f"regions-{name}.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(summary, indent=1))
+    evaluate.write_experiment(args.out, "regions", args, rows, summary, time.monotonic() - t0)
     return 0
 
 

@@ -74,6 +74,47 @@ def output_name(model: str, tag: str = "") -> str:
     return re.sub(r"[^A-Za-z0-9._]+", "-", model).strip("-") + tag
 
 
+def experiment_setup(doc: str, default_model: str):  # noqa: ANN201
+    """A quality experiment's (bench/quality_*.py) flags — --model, --cases, --steps, --device,
+    --out — parsed, its pipeline and the region classifier loaded: (args, pipe, classifier)."""
+    import argparse
+    from pathlib import Path
+
+    from instgenie.engine.pipeline import EditPipeline
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--model", default=default_model)
+    p.add_argument("--cases", type=int, default=24)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    pipe = EditPipeline.load(args.model, device=args.device)
+    return args, pipe, classifier.RegionClassifier.load(classifier.DEFAULT_WEIGHTS)
+
+
+def write_experiment(out_dir, prefix: str, args, rows: list[dict], summary: dict,  # noqa: ANN001
+                     seconds: float) -> None:  # fmt: skip
+    """Write a quality experiment's record (bench/quality_*.py: `args` has model, steps, device)
+    as OUT_DIR/PREFIX-<model>.json, with the commit, torch version and command; print the
+    summary."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    record = {"model": args.model, "steps": args.steps, "cases": len(rows), "summary": summary,
+              "rows": rows, "device": args.device, "torch": torch.__version__, "commit": commit,
+              "seconds": round(seconds, 1), "command": " ".join(sys.argv)}  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{prefix}-{output_name(args.model)}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
 def png(a: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(a).save(buf, format="PNG")
