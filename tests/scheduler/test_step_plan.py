@@ -68,6 +68,7 @@ def test_eager_plans_never_enter_the_graph_path() -> None:
     graphs = pipe.family.masked.graphs
     s = _edit(pipe)
     graphs.force_static = True  # the graph form on CPU: eligible calls are graph warm-ups
+    graphs.capture = "auto"  # compositions captured while serving (buckets: only at start)
     try:
         before = dict(graphs.counters)
         pipe.prepare_reads([s])
@@ -78,7 +79,7 @@ def test_eager_plans_never_enter_the_graph_path() -> None:
         pipe.denoise_step([s])  # a plan made by the pipeline: graphs allowed
         assert graphs.counters["warmup"] == before["warmup"] + 1
     finally:
-        graphs.force_static = False
+        graphs.force_static, graphs.capture = False, pipe.family.execution.graph_capture
         pipe.release(s)
 
 

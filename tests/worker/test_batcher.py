@@ -178,7 +178,9 @@ def test_batcher_passes_the_horizon_and_logs_how_steps_ran(
     # a alone (4 left); a + b + c until b and c leave (2 steps); a's last step alone
     assert [p.horizon for p in plans] == [4, 2, 1, 1]
     assert [r.graph for r in b.records] == ["eager"] * 4  # CPU: no graphs
-    graphs.force_static = True  # the graph form on CPU: every call a warm-up
+    monkeypatch.setattr(graphs, "force_static", True)  # the graph form on CPU: warm-ups
+    # compositions captured while serving (the "buckets" default captures only at start)
+    monkeypatch.setattr(graphs, "capture", "auto")
     b.submit(_state(pipe, "d", steps=2))
     while not b.idle:
         b.iterate()
