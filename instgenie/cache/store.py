@@ -61,14 +61,25 @@ class TemplateHandle(Protocol):
     def close(self) -> None: ...
 
 
-def on_device(t: torch.Tensor, device: torch.device) -> bool:
-    """Whether `t` lives on `device`, where an index-less device ("cuda") means its current
-    index (torch.device("cuda") != torch.device("cuda:0"), though they name one card)."""
-    if t.device.type != device.type:
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether `a` and `b` name one device, where an index-less CUDA device ("cuda") means the
+    current index (torch.device("cuda") != torch.device("cuda:0"), though they name one card)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
         return False
-    if device.index is None and device.type == "cuda":
-        return t.device.index == torch.cuda.current_device()
-    return device.index is None or t.device.index == device.index
+    if a.index is None or b.index is None:
+        if a.type != "cuda":
+            return True
+        current = torch.cuda.current_device()
+        return (a.index if a.index is not None else current) == (
+            b.index if b.index is not None else current
+        )
+    return a.index == b.index
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether `t` lives on `device` (same_device)."""
+    return same_device(t.device, device)
 
 
 def tier_of(store: object, key: str) -> str:

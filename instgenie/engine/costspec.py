@@ -89,4 +89,4 @@ def buckets_on(fam) -> bool:  # noqa: ANN001 - a loaded model family
     """Its masked steps replay bucket graphs (engine/bucket_graphs.py: CUDA, graphs not off)."""
     ex = fam.execution
     return (ex.graph_capture == "buckets" and ex.cuda_graphs != "off"
-            and str(fam.device).startswith("cuda"))  # fmt: skip
+            and fam.device.type == "cuda")  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from instgenie.cache.store import same_device
 from instgenie.engine.masked.context import composition_key
 from instgenie.engine.request import RequestState
 from instgenie.scheduler.planner import BlockCosts, Plan, plan_step
@@ -50,7 +51,7 @@ class StepPricer:
             tokens = None
             if reads:
                 tokens = tuple(sorted((st, s.token_index[L].numel()) for st, L in grids.items()))
-            host = reads and s.cache_handle.device != self.device
+            host = reads and not same_device(s.cache_handle.device, self.device)
             loads = host and getattr(s.cache_handle, "window", None) is None
             works.append(RequestWork(s.num_rows, tokens, loads))
         return pixels, works

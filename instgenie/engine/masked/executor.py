@@ -26,6 +26,7 @@ import torch
 
 from instgenie.cache.loader import BlockLoad, CopyEngine, PipelinedLoader, copy_engine_for
 from instgenie.cache.misses import CacheMiss
+from instgenie.cache.store import same_device
 from instgenie.cache.window import SLOTS, StepWindow
 from instgenie.config import EXEC_DEFAULTS, ExecConfig
 from instgenie.engine.attention import resolve_backend
@@ -200,7 +201,7 @@ class MaskedExecutor:
         if (not ctx.reads_cache or ctx.compute_all or self.convs is not None
                 or loras is not None or self._use_loader(ctx.requests)):  # fmt: skip
             return None  # v1: the planner's compute-all sets, sparse convs, LoRA, streamed rows
-        if any(r.handle is not None and r.handle.device != self.device
+        if any(r.handle is not None and not same_device(r.handle.device, self.device)
                and getattr(r.handle, "window", None) is None for r in ctx.requests):  # fmt: skip
             return None  # host rows read in place ("naive" loading): their pins end with the
             # handle, which a binding outlives
@@ -334,7 +335,7 @@ class MaskedExecutor:
             return True
         host = any(
             r.handle is not None
-            and r.handle.device != self.device
+            and not same_device(r.handle.device, self.device)
             and getattr(r.handle, "window", None) is None  # a window is device memory
             for r in rows
         )
