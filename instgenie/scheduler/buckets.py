@@ -85,3 +85,19 @@ def pick(
         if b.holds(counts):
             return b
     return None
+
+
+def pads(counts: list[int], capacity: int, L: int) -> list[int]:
+    """Pad tokens each row takes so that rows of `counts` tokens (of L each) hold `capacity` in
+    all: rows in order, each up to L (so a row's queries stay within its own L keys and
+    max_q = L bounds every composition of a bucket). The executor pads its token sets this way
+    (engine/masked/token_sets.py) and pricing counts the same pads (scheduler/pricing.py)."""
+    spare = capacity - sum(counts)
+    if spare < 0 or capacity > len(counts) * L:
+        raise ValueError(f"{sum(counts)} tokens of {len(counts)} rows of {L} do not pad to "
+                         f"{capacity}")  # fmt: skip
+    out = []
+    for n in counts:
+        out.append(min(spare, L - n))
+        spare -= out[-1]
+    return out

@@ -193,11 +193,11 @@ def padded(
     per_row: dict[int, list[int]],
 ) -> dict[int, list[int]]:
     """The masked tokens of each row (`per_row`: stride -> list over batch rows) as a worker with
-    bucket graphs computes them (engine/masked/context.py `pad_to`): raised to the capacity of the
-    step's bucket (scheduler/buckets.py), the pads filling rows in order up to their grid's
-    `grids[stride]` tokens. Unchanged where the step runs eagerly: no buckets, more requests than
-    buckets are captured for, sparse conv blocks, rows streamed from the host each step, or
-    more tokens than the top rung holds."""
+    bucket graphs computes them (engine/masked/context.py `pad_to`): raised to the capacity of
+    the step's bucket, the pads distributed as `buckets.pads` says (the executor's rule).
+    Unchanged where the step runs eagerly: no buckets, more requests than buckets are captured
+    for, sparse conv blocks, rows streamed from the host each step, or more tokens than the top
+    rung holds."""
     if (not spec.buckets or len(works) > buckets.MAX_REQUESTS or any(w.loads for w in works)
             or any(b.kind in CONV_KINDS for b in spec.blocks)):  # fmt: skip
         return per_row
@@ -205,15 +205,9 @@ def padded(
     bucket = buckets.pick(rows, {grids[s]: sum(n) for s, n in per_row.items()})
     if bucket is None:
         return per_row
-    out = {}
-    for s, ns in per_row.items():
-        L, pads = grids[s], bucket.capacity(grids[s]) - sum(ns)
-        out[s] = []
-        for n in ns:
-            add = min(pads, L - n)
-            out[s].append(n + add)
-            pads -= add
-    return out
+    return {s: [n + p for n, p in zip(ns, buckets.pads(ns, bucket.capacity(grids[s]), grids[s]),
+                                      strict=True)]
+            for s, ns in per_row.items()}  # fmt: skip
 
 
 def _compute_ms(spec: CostSpec, d: BlockSpec, mode: str, flops: float) -> float:

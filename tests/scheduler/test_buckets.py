@@ -13,6 +13,7 @@ from instgenie.scheduler.buckets import (
     STEP,
     Bucket,
     ladder,
+    pads,
     pick,
 )
 
@@ -56,3 +57,14 @@ def test_too_large_a_ratio_is_not_bucketed() -> None:
 def test_bad_counts_are_refused(counts) -> None:
     with pytest.raises(ValueError):
         pick(2, counts)
+
+
+def test_pads_fill_rows_in_order_up_to_their_grid() -> None:
+    """The executor pads its token sets and pricing counts its pads by this one rule."""
+    assert pads([3, 10, 0], 20, 10) == [7, 0, 0]
+    assert pads([9, 2, 0], 25, 10) == [1, 8, 5]
+    assert pads([4, 4], 8, 10) == [0, 0]
+    with pytest.raises(ValueError):
+        pads([6, 6], 10, 10)  # fewer than the tokens there are
+    with pytest.raises(ValueError):
+        pads([1, 1], 21, 10)  # more than two rows of 10 hold

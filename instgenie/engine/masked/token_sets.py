@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from instgenie.scheduler import buckets
+
 
 @dataclass
 class TokenSet:
@@ -55,19 +57,13 @@ def _pad(
     idx: list[torch.Tensor], rows: list[torch.Tensor], counts: list[int], capacity: int, L: int
 ) -> list[torch.Tensor]:
     """Pad the per-row token lists (in place) to `capacity` tokens in all; the scatter indices.
-    Each row takes pads up to L tokens, rows in order, so a row's queries stay within its L
-    keys (max_q = L bounds every composition of the bucket). A pad of row r gathers token 0 of
-    r (a finite, row-local input) and scatters to R * L, the trash row."""
+    Rows take pads as `buckets.pads` says (in order, each up to L). A pad of row r gathers token
+    0 of r (a finite, row-local input) and scatters to R * L, the trash row."""
     R = len(counts)
-    spare = capacity - sum(counts)
-    if spare < 0 or capacity > R * L:
-        raise ValueError(f"{sum(counts)} tokens of {R} rows of {L} do not pad to {capacity}")
     scatter = list(idx)
-    for r in range(R):
-        n = min(spare, L - counts[r])
+    for r, n in enumerate(buckets.pads(counts, capacity, L)):
         if n == 0:
             continue
-        spare -= n
         idx[r] = torch.cat([idx[r], torch.full((n,), r * L, dtype=torch.int64)])
         scatter[r] = torch.cat([scatter[r], torch.full((n,), R * L, dtype=torch.int64)])
         rows[r] = torch.cat([rows[r], torch.full((n,), r, dtype=torch.int64)])
