@@ -19,13 +19,15 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from instgenie.config import LimitsConfig
+from instgenie.engine.png_bands import encode_png
 from instgenie.engine.sizing import pixel_hint, too_many_pixels
 from instgenie.errors import TooManyPixelsError, ValidationError
 
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
 #: ExecConfig.png_compression -> (zlib level, zlib strategy; -1: zlib's default) of a PNG
 #: output. "fast" is level 1 with run-length matching (Z_RLE): after PNG's row filters it comes
-#: within 1 % of level 6's bytes at level 1's speed (decision 0040, docs/benchmarks/png-encoding.md)
+#: within 1 % of level 6's bytes at level 1's speed (decision 0040, png-encoding.md), encoded
+#: in parallel bands (png_bands.py, decision 0053); the others by Pillow
 PNG_SETTINGS = {"fast": (1, zlib.Z_RLE), "default": (6, -1), "small": (9, -1)}
 
 #: the pid of a process that must never decode or encode images (a worker's denoise loop sets
@@ -176,6 +178,8 @@ def encode_image(img: Image.Image, output_format: str, quality: int = 95,
     buf = io.BytesIO()
     if fmt == "PNG":
         level, strategy = PNG_SETTINGS[png_compression]
+        if png_compression == "fast":  # bands filtered and deflated in parallel (decision 0053)
+            return encode_png(np.asarray(img.convert("RGB")), level, strategy)
         kwargs = {"compress_level": level, "compress_type": strategy}
     else:
         kwargs = {"quality": quality}
