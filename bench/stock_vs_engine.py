@@ -7,7 +7,10 @@ diffusers", the per-stage split of where the remaining time goes). Not a test.
   bench_masked_step.stock_ops), the text encoders run per call as diffusers runs them; plus
   PIL's PNG encode at its default level (what a user saving the result pays);
 - full / masked: EditPipeline.preprocess, every step, VAE decode, `finish` (paste-back off, PNG at
-  the fast level), each stage synchronised (bench_masked_step.staged_run), CUDA graphs as served.
+  the fast level), each stage synchronised (bench_masked_step.staged_run), CUDA graphs as served
+  (graph_capture "buckets": the worker's warm-up captures them first, worker/warmup.py);
+- masked_kv (--kv): the masked path on a template whose cache holds keys and values (ExecConfig
+  kv_cache; the executor switched in place, its own template and warm-up).
 Random weights (`full`): the compute cost is the real one. Two rounds, the second timed.
 
     python bench/stock_vs_engine.py --models flux-fill:full sdxl-inpaint:full --steps 20 \\
@@ -30,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_masked_step import (  # noqa: E402
     _sync,
+    add_exec_args,
     environment,
+    exec_config,
     graphs_mode,
     staged_run,
     stock_ops,
@@ -41,6 +46,7 @@ from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.engine.request import EditRequest  # noqa: E402
 from instgenie.engine.stepbench import ratio_mask, template_image  # noqa: E402
 from instgenie.engine.templates import TemplateSpec  # noqa: E402
+from instgenie.worker import warmup  # noqa: E402
 
 PROMPT = "a red leather jacket"
 
@@ -62,35 +68,57 @@ def stock_call(pipe: EditPipeline, image: Image.Image, mask: Image.Image, steps:
     return {"pipeline": round(t1 - t0, 4), "encode": round(time.perf_counter() - t1, 4)}
 
 
-def one_model(model: str, steps: int, ratio: float, execution: ExecConfig, device: str) -> dict:
+def _warm(pipe: EditPipeline) -> float | None:
+    """The worker's warm-up where serving would run one (bucket graphs); its seconds."""
+    if pipe.family.masked.graphs.capture != "buckets" or pipe.family.device.type != "cuda":
+        return None
+    t0 = time.perf_counter()
+    warmup.warm_up(pipe, max_batch=1)
+    return round(time.perf_counter() - t0, 1)
+
+
+def one_model(model: str, steps: int, ratio: float, execution: ExecConfig, device: str,
+              kv: bool = False) -> dict:  # fmt: skip
     pipe = EditPipeline.load(model, device=device, execution=execution)
+    warm = {"masked": _warm(pipe)}
     size = pipe.family.default_size
     image = template_image(size)
     png = encode_image(image, "png")
     mask_img = ratio_mask(size, size, ratio, pipe.family.granule)
     mask = encode_image(mask_img, "png")
-    key = pipe.build_template(
-        TemplateSpec(image=png, prompt="a photo of a person", seed=0, num_inference_steps=steps)
-    )
+    spec = TemplateSpec(image=png, prompt="a photo of a person", seed=0, num_inference_steps=steps)
+    key = pipe.build_template(spec)
     rows: dict = {}
+
+    def request(p: EditPipeline, path: str, template: str | None) -> dict:
+        req = EditRequest(uid=path, image=png, mask=mask, prompt=PROMPT, seed=42,
+                          num_inference_steps=steps, template_id=template,
+                          paste_back=False)  # fmt: skip
+        with graphs_mode(p, execution.cuda_graphs):
+            stages = staged_run(p, req, "full" if template is None else "masked")[0]
+        return {k: round(v, 4) for k, v in stages.items()}
+
     for _ in range(2):  # the second round is the one kept
         with stock_ops(pipe):
             rows["stock"] = stock_call(pipe, image, mask_img.convert("L"), steps)
-        for path in ("full", "masked"):
-            req = EditRequest(
-                uid=path, image=png, mask=mask, prompt=PROMPT, seed=42, num_inference_steps=steps,
-                template_id=key if path == "masked" else None, paste_back=False,
-            )  # fmt: skip
-            with graphs_mode(pipe, execution.cuda_graphs):
-                stages = staged_run(pipe, req, path)[0]
-            rows[path] = {k: round(v, 4) for k, v in stages.items()}
+        rows["full"] = request(pipe, "full", None)
+        rows["masked"] = request(pipe, "masked", key)
+    pipe.store.delete(key)
+    if kv:  # its own template (2x the bytes: the output cache goes first) and warm-up
+        pipe.family.masked.set_kv_cache(True)
+        warm["masked_kv"] = _warm(pipe)
+        key = pipe.build_template(spec)
+        for _ in range(2):
+            rows["masked_kv"] = request(pipe, "masked_kv", key)
+        pipe.store.delete(key)
+        pipe.family.masked.set_kv_cache(execution.kv_cache == "on")
     totals = {k: round(sum(v.values()), 3) for k, v in rows.items()}
     result = {"model": model, "size": size, "steps": steps, "mask_ratio": ratio,
               "dtype": str(pipe.family.dtype), "stages_s": rows, "total_s": totals,
-              "full_vs_stock": round(totals["stock"] / totals["full"], 3),
-              "masked_vs_stock": round(totals["stock"] / totals["masked"], 3),
+              "warm_up_s": warm, "full_vs_stock": round(totals["stock"] / totals["full"], 3),
+              **{f"{k}_vs_stock": round(totals["stock"] / totals[k], 3)
+                 for k in ("masked", "masked_kv") if k in totals},
               "masked_vs_full": round(totals["full"] / totals["masked"], 3)}  # fmt: skip
-    pipe.store.delete(key)
     del pipe
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -103,12 +131,19 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (tiny models)")
+    p.add_argument(
+        "--kv",
+        action="store_true",
+        help="also the masked path on a K/V cache (Flux: ExecConfig.kv_cache)",
+    )
     p.add_argument("--out", type=Path, required=True)
+    add_exec_args(p)
     args = p.parse_args()
-    execution = ExecConfig()
+    execution = exec_config(args)
     out = {"env": environment(torch.device(args.device), execution), "argv": sys.argv, "runs": []}
     for model in args.models:
-        out["runs"].append(one_model(model, args.steps, args.ratio, execution, args.device))
+        kv = args.kv and model.startswith("flux")
+        out["runs"].append(one_model(model, args.steps, args.ratio, execution, args.device, kv))
         print(json.dumps(out["runs"][-1]), flush=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -23,14 +23,15 @@ FIELDS = [f.name for f in dataclasses.fields(ExecConfig)]
 OTHER = {"attention_backend": "sdpa", "channels_last": False, "cuda_graphs": "masked",
          "graph_capture": "always", "cudnn_benchmark": True, "fused_group_norm": "off",
          "fused_geglu": "on", "fused_conv_bias": "off", "png_compression": "small",
-         "sparse_convs": "auto", "cropped_decode": "off"}  # fmt: skip
+         "sparse_convs": "auto", "cropped_decode": "off", "kv_cache": "on"}  # fmt: skip
 #: every field's variable set to a value other than the default and than OTHER's
 ENV_ELSEWHERE = {"INSTGENIE_ATTENTION_BACKEND": "bogus", "INSTGENIE_UNET_CHANNELS_LAST": "0",
                  "INSTGENIE_CUDA_GRAPHS": "off", "INSTGENIE_GRAPH_CAPTURE": "bogus",
                  "INSTGENIE_CUDNN_BENCHMARK": "maybe", "INSTGENIE_FUSED_GROUPNORM": "on",
                  "INSTGENIE_FUSED_GEGLU": "off", "INSTGENIE_FUSED_CONV_BIAS": "on",
                  "INSTGENIE_PNG_COMPRESSION": "default",
-                 "INSTGENIE_SPARSE_CONVS": "bogus", "INSTGENIE_CROPPED_DECODE": "on"}  # fmt: skip
+                 "INSTGENIE_SPARSE_CONVS": "bogus", "INSTGENIE_CROPPED_DECODE": "on",
+                 "INSTGENIE_KV_CACHE": "bogus"}  # fmt: skip
 
 
 @pytest.fixture
@@ -45,7 +46,8 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     [("attention_backend", "bogus"), ("attention_backend", "SDPA"), ("cuda_graphs", "on"),
      ("graph_capture", "never"), ("fused_group_norm", "yes"), ("fused_geglu", ""),
      ("fused_conv_bias", True), ("channels_last", "off"), ("cudnn_benchmark", 1),
-     ("png_compression", 9), ("sparse_convs", "on"), ("cropped_decode", "always")],
+     ("png_compression", 9), ("sparse_convs", "on"), ("cropped_decode", "always"),
+     ("kv_cache", "auto")],
 )  # fmt: skip
 def test_bad_values_are_refused_naming_the_field(name: str, value) -> None:
     with pytest.raises(ValueError, match=f"^{name}: "):
@@ -59,7 +61,7 @@ def test_defaults_and_round_trip_through_the_worker_config() -> None:
         "attention_backend": "auto", "channels_last": True, "cuda_graphs": "all",
         "graph_capture": "buckets", "cudnn_benchmark": False, "fused_group_norm": "auto",
         "fused_geglu": "auto", "fused_conv_bias": "auto", "sparse_convs": "off",
-        "png_compression": "fast", "cropped_decode": "auto",
+        "png_compression": "fast", "cropped_decode": "auto", "kv_cache": "off",
     }  # fmt: skip
     model = ModelConfig(execution=ExecConfig(**OTHER))
     assert from_dict(ModelConfig, json.loads(json.dumps(to_dict(model)))) == model

@@ -73,7 +73,7 @@ def copy_step(src: torch.Tensor, step: torch.Tensor, out: torch.Tensor) -> torch
 
 
 @triton.jit
-def _copy_rows_indirect_kernel(BASE, STRIDE, STEPS, OUT, numel, BLOCK: tl.constexpr):
+def _copy_rows_indirect_kernel(BASE, STRIDE, STEPS, OUT, numel, out_stride, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     base = tl.load(BASE + r)
@@ -84,7 +84,7 @@ def _copy_rows_indirect_kernel(BASE, STRIDE, STEPS, OUT, numel, BLOCK: tl.conste
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         ok = offs < numel
         vals = tl.load(src + s * stride + offs, mask=ok)
-        tl.store(OUT + r * numel + offs, vals, mask=ok)
+        tl.store(OUT + r * out_stride + offs, vals, mask=ok)
 
 
 def copy_rows_indirect_reference(
@@ -101,18 +101,20 @@ def copy_rows_indirect(
     base: torch.Tensor, stride: torch.Tensor, steps: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
     """out[r] = row r's source at steps[r] (see the module doc); base, stride, steps (R,) int64
-    on out's device, out (R, *shape) contiguous, every source of out's dtype."""
+    on out's device, out (R, *shape) with each out[r] contiguous (rows may be strided: the image
+    part of a joint key sequence), every source of out's dtype."""
     R = out.shape[0] if out.dim() else 0
     for name, t in (("base", base), ("stride", stride), ("steps", steps)):
         if t.shape != (R,) or t.dtype != torch.int64 or t.device != out.device:
             raise ValueError(f"{name} must be a ({R},) int64 tensor on {out.device}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
+    if R and not out[0].is_contiguous():
+        raise ValueError("each row of out must be contiguous")
     numel = math.prod(out.shape[1:])
     if numel == 0 or R == 0:
         return out
     grid = (triton.cdiv(numel, _BLOCK), R)
-    _copy_rows_indirect_kernel[grid](base, stride, steps, out, numel, BLOCK=_BLOCK, num_warps=8)
+    _copy_rows_indirect_kernel[grid](base, stride, steps, out, numel, out.stride(0),
+                                     BLOCK=_BLOCK, num_warps=8)  # fmt: skip
     return out

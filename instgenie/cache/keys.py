@@ -44,8 +44,9 @@ class TemplateKey:
     #: the LoRAs the capture ran with, [[id, scale], ...] as JSON; "" = none (then the field is
     #: left out of the digest: keys of templates without LoRAs are what they always were)
     loras: str = ""
-    #: which blocks the cache holds beyond the transformer blocks: "convs" (ResNets, samplers
-    #: and their GroupNorm statistics: ExecConfig.sparse_convs) or "" (left out of the digest)
+    #: what the cache holds beyond the transformer blocks' outputs: "convs" (ResNets, samplers
+    #: and their GroupNorm statistics: ExecConfig.sparse_convs), "kv" (Flux blocks' keys and
+    #: values instead of their outputs: ExecConfig.kv_cache), or "" (left out of the digest)
     layout: str = ""
 
     @property

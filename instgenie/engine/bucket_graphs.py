@@ -118,7 +118,7 @@ class BucketGraphs:
         lengths = sorted({L for r in ctx.requests if r.handle is not None for L in r.token_index})
         ctx.pad_to = {L: bucket.capacity(L) for L in lengths}
         ctx._tokens, ctx._joint = {}, {}  # padded sets, built for this bucket only
-        masked = [b for b in block_ids if ctx.is_masked(b)]
+        masked = ctx.read_slots(block_ids)  # the slots its address tables name
         if entry is None:
             entry = self._new_entry(bucket, ctx, tensors, spec, leaves, masked)
             self.entries[key] = entry

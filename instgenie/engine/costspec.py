@@ -82,6 +82,7 @@ def model_cost_spec(
         profile=profile_path if profile is not None else "",
         compute_margin=int(fam.compute_margin if compute_margin is None else compute_margin),
         buckets=buckets_on(fam),
+        kv_cache=fam.masked.kv is not None,
     )
 
 

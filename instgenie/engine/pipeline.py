@@ -177,7 +177,7 @@ class EditPipeline:
             str(fam.spec), fam.pipe.scheduler.config, image, mask, spec,
             height=height, width=width, num_steps=steps, cfg=cfg,
             cache_dtype=str(self.store_dtype()),
-            layout="convs" if fam.masked.convs is not None else "",
+            layout=fam.masked.cache_layout,
         )  # fmt: skip
         self.templates.setdefault(key, TemplateRecord(key, spec, image, height, width))
         return key

@@ -70,6 +70,6 @@ class StepPricer:
             except ValueError as e:  # grids the spec cannot price: plan nothing, never fail
                 log.warning("load planner: %s; every block reads the cache this step", e)
                 return frozenset()
-            self.last_plan = plan_step(costs)
+            self.last_plan = plan_step(costs, cache_only=self.spec.kv_cache)
             self._last_key = key
         return frozenset(self.last_plan.compute_all)

@@ -127,7 +127,7 @@ class Estimator:
         costs = self.block_costs(pixels, works)
         reads = any(w.ratios is not None for w in works)
         rows = sum(w.rows for w in works)
-        return blocks_ms(costs, reads) + self.other_ms(rows * pixels)
+        return blocks_ms(costs, reads, self.spec.kv_cache) + self.other_ms(rows * pixels)
 
     def block_costs(self, pixels: int, works: Sequence[Work]) -> BlockCosts:
         """Per block (execution order) the costs the worker's planner gets for this batch of
@@ -155,11 +155,14 @@ class Estimator:
         return fit_ms(self.spec.stages.get(stage), pixels)
 
 
-def blocks_ms(costs: BlockCosts, reads: bool) -> float:
+def blocks_ms(costs: BlockCosts, reads: bool, cache_only: bool = False) -> float:
     """The transformer blocks of a step priced `costs`: the planner's plan; without a cache read,
-    every block computes all tokens; with nothing to load, each block takes its cheaper way."""
+    every block computes all tokens; with nothing to load, each block takes its cheaper way;
+    `cache_only` (a K/V cache): every block reads the cache."""
     if not reads:
         return sum(costs.compute_full)
+    if cache_only:
+        return plan_step(costs, cache_only=True).latency_ms
     if not any(costs.load):
         return sum(min(c, f) for c, f in zip(costs.compute_cached, costs.compute_full, strict=True))
     return plan_step(costs).latency_ms

@@ -390,6 +390,14 @@ def optimal_plan(costs: BlockCosts, *, front_cap: int | None = None) -> Plan:
     return Plan(use, latency, all_cache, all_full, exact=not dropped, max_front=max_front)
 
 
-def plan_step(costs: BlockCosts, *, front_cap: int = PLAN_STEP_FRONT_CAP) -> Plan:
-    """The plan the engine runs for one step: `optimal_plan` with a bounded front."""
+def plan_step(
+    costs: BlockCosts, *, front_cap: int = PLAN_STEP_FRONT_CAP, cache_only: bool = False
+) -> Plan:
+    """The plan the engine runs for one step: `optimal_plan` with a bounded front; with
+    `cache_only` every block reads the cache (a K/V cache holds no block inputs to compute every
+    token from: CostSpec.kv_cache)."""
+    if cache_only:
+        n = costs.num_blocks
+        every = _latency((True,) * n, costs)
+        return Plan((True,) * n, every, every, _latency((False,) * n, costs), exact=True)
     return optimal_plan(costs, front_cap=front_cap)

@@ -68,6 +68,10 @@ class CostSpec:
     #: masked steps pad their packed tokens up to a bucket's capacity and replay its graph
     #: (ExecConfig.graph_capture "buckets" on CUDA, scheduler/buckets.py): pricing adds the pads
     buckets: bool = False
+    #: Flux blocks' caches hold keys and values instead of outputs (ExecConfig.kv_cache): a
+    #: masked block projects only its masked tokens, loads two slabs, and cannot compute all
+    #: tokens (the planner gets no choice; engine/masked/kv_layout.py)
+    kv_cache: bool = False
 
 
 def profile_fits(profile: Profile, loop_stages: bool = True) -> dict:

@@ -17,8 +17,9 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
-def test_bucket_graphs_replay_any_composition_of_their_bucket(family: str) -> None:
+@pytest.mark.parametrize("family, setting", [("sdxl-inpaint", "off"), ("flux-fill", "off"),
+                                             ("flux-fill", "kv")])  # fmt: skip
+def test_bucket_graphs_replay_any_composition_of_their_bucket(family: str, setting: str) -> None:
     """graph_capture "buckets": graphs captured while warming (one per bucket met) replay
     later compositions of their bucket — A, B (another template and mask of the same size),
     A again, then a staggered pair — without capturing, bit-identical to the warming run and
@@ -27,7 +28,7 @@ def test_bucket_graphs_replay_any_composition_of_their_bucket(family: str) -> No
     from instgenie.worker import warmup
     from tests.engine.test_graphs import _run_staggered
 
-    pipe = cuda_pipeline(family)
+    pipe = cuda_pipeline(family, setting)
     ex = pipe.family.masked
     keys = [pipe.build_template(TemplateSpec(image=png_bytes(make_image(128, 128, seed=s)),
                                              num_inference_steps=6)) for s in (1, 2)]  # fmt: skip

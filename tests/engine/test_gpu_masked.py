@@ -24,15 +24,20 @@ pytestmark = [
 
 
 @functools.cache
-def cuda_pipeline(family: str, sparse_convs: str = "off") -> EditPipeline:
+def cuda_pipeline(family: str, setting: str = "off") -> EditPipeline:
+    """`setting`: "off" (transformer blocks masked), "auto" (sparse convs too: UNets), "kv" (a
+    K/V cache: Flux)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return EditPipeline.load(f"{family}:tiny", device="cuda", dtype="fp32",
-                             execution=ExecConfig(sparse_convs=sparse_convs))  # fmt: skip
+    execution = ExecConfig(sparse_convs="auto" if setting == "auto" else "off",
+                           kv_cache="on" if setting == "kv" else "off")  # fmt: skip
+    return EditPipeline.load(f"{family}:tiny", device="cuda", dtype="fp32", execution=execution)
 
 
-#: the families and settings of the masked-execution checks: sparse convs (SDXL) too
-SETUPS = [("sdxl-inpaint", "off"), ("sdxl-inpaint", "auto"), ("flux-fill", "off")]
+#: the families and settings of the masked-execution checks: sparse convs (SDXL) and the K/V
+#: cache (Flux) too
+SETUPS = [("sdxl-inpaint", "off"), ("sdxl-inpaint", "auto"), ("flux-fill", "off"),
+          ("flux-fill", "kv")]  # fmt: skip
 
 
 def _run(pipe, req):
@@ -42,9 +47,9 @@ def _run(pipe, req):
     return s
 
 
-@pytest.mark.parametrize("family, sparse", SETUPS)
-def test_replay_on_cuda_with_triton(family: str, sparse: str) -> None:
-    pipe = cuda_pipeline(family, sparse)
+@pytest.mark.parametrize("family, setting", SETUPS)
+def test_replay_on_cuda_with_triton(family: str, setting: str) -> None:
+    pipe = cuda_pipeline(family, setting)
     assert pipe.family.masked.attention_backend in ("auto", "triton")
     img, mask = png_bytes(make_image(128, 128, seed=1)), png_bytes(make_mask(128, 128))
     common = dict(prompt="a hat", seed=3, num_inference_steps=4)
@@ -57,9 +62,9 @@ def test_replay_on_cuda_with_triton(family: str, sparse: str) -> None:
     assert float((masked.latents - full.latents).abs().max()) <= 1e-4 * scale
 
 
-@pytest.mark.parametrize("family, sparse", SETUPS)
-def test_triton_and_sdpa_backends_agree(family: str, sparse: str, backend_calls) -> None:
-    pipe = cuda_pipeline(family, sparse)
+@pytest.mark.parametrize("family, setting", SETUPS)
+def test_triton_and_sdpa_backends_agree(family: str, setting: str, backend_calls) -> None:
+    pipe = cuda_pipeline(family, setting)
     img, mask = png_bytes(make_image(128, 128, seed=2)), png_bytes(make_mask(128, 128))
     key = pipe.build_template(TemplateSpec(image=img, num_inference_steps=3))
     req = EditRequest(uid="e", image=None, template_id=key, mask=mask, prompt="boots", seed=5,
@@ -79,14 +84,14 @@ def test_triton_and_sdpa_backends_agree(family: str, sparse: str, backend_calls)
     assert float((outs["triton"] - outs["sdpa"]).abs().max()) <= 1e-4 * scale
 
 
-@pytest.mark.parametrize("family, sparse", SETUPS)
-def test_cuda_graph_replay_equals_eager(family: str, sparse: str) -> None:
+@pytest.mark.parametrize("family, setting", SETUPS)
+def test_cuda_graph_replay_equals_eager(family: str, setting: str) -> None:
     """Two masked requests on different templates, the second joining one step later: the
     shared composition is warmed up, captured and replayed; outputs equal the eager path."""
     from instgenie.engine.graphs import StepGraphs
     from tests.engine.test_graphs import _run_staggered
 
-    pipe = cuda_pipeline(family, sparse)
+    pipe = cuda_pipeline(family, setting)
     ex = pipe.family.masked
     keys = [
         pipe.build_template(

@@ -106,6 +106,23 @@ def test_indirect_rows_read_their_own_sources_and_steps(shape, dtype) -> None:
     assert torch.equal(out[3], a[4])
 
 
+def test_indirect_rows_into_strided_rows() -> None:
+    """out's rows may be strided (the image part of a joint key sequence: each row's text rows
+    come first): each row lands in its own slice, the rows between untouched."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 6, 8, generator=g)
+    b = torch.randn(2, 6, 8, generator=g)
+    sources = [a, None, b]
+    base, stride = _tables(sources)
+    steps = torch.tensor([2, 0, 1])
+    joint = torch.full((3, 9, 8), 7.0)  # (rows, text 3 + image 6, inner)
+    out = joint[:, 3:]
+    copy_rows_indirect(base, stride, steps, out)
+    assert torch.equal(out, copy_rows_indirect_reference(sources, steps, torch.full_like(out, 7)))
+    assert torch.equal(out[0], a[2]) and torch.equal(out[2], b[1])
+    assert bool((joint[:, :3] == 7.0).all()) and bool((joint[1] == 7.0).all())
+
+
 @pytest.mark.parametrize(
     "tables, out",
     [

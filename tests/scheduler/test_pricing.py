@@ -99,3 +99,39 @@ def test_bucket_graphs_price_the_pads_of_the_steps_bucket() -> None:
     assert step_costs(dataclasses.replace(convs, buckets=True), PX, works) == step_costs(
         convs, PX, works
     )
+
+
+def _flux_spec(kv: bool) -> CostSpec:
+    """Flux.1's 19 dual and 38 single blocks (C 3072, feed-forward 4x, single MLP 4x)."""
+    C = 3072
+    blocks = [BlockSpec(block_id=i, kind="flux_dual", channels=C, ff_macs=2 * C * 4 * C,
+                        stride=16) for i in range(19)]  # fmt: skip
+    blocks += [BlockSpec(block_id=19 + i, kind="flux_single", channels=C, ff_macs=0, mlp=4 * C,
+                         stride=16) for i in range(38)]  # fmt: skip
+    return CostSpec(model="flux", granule=16, text_len=512, cfg=False, default_guidance=30.0,
+                    default_steps=20, cache_dtype="bfloat16", blocks=blocks, kv_cache=kv,
+                    load={"dram": LinearFit(slope=1e-6, intercept=0.0)})  # fmt: skip
+
+
+def test_a_kv_cache_prices_masked_keys_and_values_and_two_slabs() -> None:
+    """1024², m = 0.2: a K/V block projects keys and values of its 819 masked tokens only, -24.7 %
+    of a masked block's multiply-adds (dual and single alike); a host load carries keys and
+    values, twice an output's bytes; the planner gets no choice (every block reads the cache,
+    even where computing all tokens would be cheaper than the load)."""
+    px, n = 1024 * 1024, 819
+    works = [RequestWork(1, ((16, n),), True)]
+    out, kv = step_costs(_flux_spec(False), px, works), step_costs(_flux_spec(True), px, works)
+    for b in (0, 19):
+        assert kv.compute_cached[b] / out.compute_cached[b] == pytest.approx(1 - 0.247, abs=5e-4)
+        assert kv.compute_full[b] == out.compute_full[b]
+        assert kv.load[b] == 2 * out.load[b]
+    slow = dataclasses.replace(_flux_spec(True), load={"dram": LinearFit(slope=1.0, intercept=0)})
+    from instgenie.scheduler.planner import plan_step
+
+    costs = step_costs(slow, px, works)
+    assert plan_step(costs).compute_all  # the DP alone would compute every token
+    plan = plan_step(costs, cache_only=True)
+    assert not plan.compute_all and plan.latency_ms == plan.all_cache_ms
+    from instgenie.scheduler.estimate import blocks_ms
+
+    assert blocks_ms(costs, True, cache_only=True) == plan.latency_ms > blocks_ms(costs, True)

@@ -94,8 +94,8 @@ class BoundRows:
         self._sources, self.key = {}, None
 
     def copy(self, block_id: int, out: torch.Tensor) -> None:
-        """out[r] = row r's source of `block_id` at its step, rows with a source; out (R, L, C)
-        contiguous."""
+        """out[r] = row r's source of `block_id` at its step, rows with a source; out (R, L, C),
+        each row contiguous."""
         if self._kernel is not None:
             self._kernel(self.base[block_id], self.stride[block_id], self.steps, out)
             return

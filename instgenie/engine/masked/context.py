@@ -26,6 +26,7 @@ from instgenie.cache.store import CacheWriter, TemplateHandle
 from instgenie.engine.kernels import kernel_enabled, optional_kernel
 from instgenie.engine.masked.bound_rows import BoundRows
 from instgenie.engine.masked.conv_layout import ConvLayout, decode_stats, encode_stats
+from instgenie.engine.masked.kv_layout import KVLayout
 from instgenie.engine.masked.tiles import TileSet, build_tiles
 from instgenie.engine.masked.timer import BlockTimer
 from instgenie.engine.masked.token_sets import JointSet, TokenSet, _pad
@@ -118,8 +119,11 @@ class StepContext:
         convs: ConvLayout | None = None,
         latent_hw: tuple[int, int] = (0, 0),
         pad_to: dict[int, int] | None = None,
+        kv: KVLayout | None = None,
     ) -> None:
         self.requests = requests
+        #: K/V blocks and their value slots (engine/masked/flux_kv.py); None: outputs cached
+        self.kv = kv
         #: {L: packed tokens} a bucketed graph's capacity (engine/bucket_graphs.py): token sets
         #: of these grids are padded to it (pads gather a real token of their row and scatter
         #: to a trash row, so real outputs do not depend on them); None: no padding
@@ -166,6 +170,19 @@ class StepContext:
         """Whether this block computes masked tokens only (some row reads the cache and the
         plan does not say "compute all tokens" for it)."""
         return self.reads_cache and block_id not in self.compute_all
+
+    def is_kv(self, block_id: int) -> bool:
+        """Whether the block's cache holds its keys and values, not its output (kv_layout.py)."""
+        return self.kv is not None and block_id in self.kv
+
+    def read_slots(self, block_ids: list[int]) -> list[int]:
+        """The cache slots a step of `block_ids` reads: each masked block's own (its output, or
+        a K/V block's keys) and a K/V block's value slot."""
+        slots = []
+        for b in block_ids:
+            if self.is_masked(b):
+                slots += [b, self.kv.values[b]] if self.is_kv(b) else [b]
+        return slots
 
     def tokens(self, L: int) -> TokenSet:
         ts = self._tokens.get(L)
@@ -372,7 +389,7 @@ class StepContext:
         assert self.step_index is not None, "step_loads needs the graph form's step indices"
         loads = []
         for b in self.block_order:
-            if not self.is_masked(b) or self.is_map_block(b):
+            if not self.is_masked(b) or self.is_map_block(b) or self.is_kv(b):
                 continue
             sources, shape = [], None
             for req in self.requests:
@@ -400,9 +417,10 @@ class StepContext:
         return out
 
     def _fill_cached(self, block_id: int, out: torch.Tensor) -> None:
-        """Copy every cache-reading request's rows of `block_id` at its step into `out`: by the
-        device step index in the graph form, by the bound address tables in a bucketed graph,
-        else from the handle's block."""
+        """Copy every cache-reading request's rows of `block_id` at its step into `out` (R, L, C),
+        each row contiguous (rows may be strided: a joint sequence's image part): by the device
+        step index in the graph form, by the bound address tables in a bucketed graph, else
+        from the handle's block."""
         if self.bound is not None:
             self.bound.copy(block_id, out)
             return
@@ -410,10 +428,11 @@ class StepContext:
             for req in self.requests:
                 if req.handle is not None:
                     stack = req.handle.block_steps(block_id, self.device)  # (S, rows, L, C)
-                    n = req.num_rows
-                    src = stack[:, stack.shape[1] - n :]
-                    dst = out[req.start : req.start + n]
-                    copy_cached_step(src, self.step_index[req.start], dst)
+                    first = stack.shape[1] - req.num_rows
+                    for j in range(req.num_rows):  # row by row: out's rows may be strided
+                        dst = out[req.start + j : req.start + j + 1]
+                        src = stack[:, first + j : first + j + 1]
+                        copy_cached_step(src, self.step_index[req.start], dst)
             return
         for first, cached in self.cached_rows(block_id):
             copy_rows(out[first : first + cached.shape[0]], cached, non_blocking=True)
@@ -425,6 +444,11 @@ class StepContext:
         `fresh` (T, C) scattered to their tokens (a padded set's pads to a trash row past the
         output: duplicates race only there)."""
         R, L, C = like.shape
+        if self.is_kv(block_id):  # nothing reads its unmasked rows (kv_layout.py): zeros
+            flat = torch.zeros((R * L + 1, C), dtype=like.dtype, device=like.device)
+            idx = ts.flat_idx if ts.scatter_idx is None else ts.scatter_idx
+            flat.index_copy_(0, idx, fresh.to(flat.dtype))
+            return flat[: R * L].view(R, L, C)
         if ts.scatter_idx is None:
             out = self.output_buffer(block_id, like)
             out.view(R * L, C).index_copy_(0, ts.flat_idx, fresh.to(out.dtype))

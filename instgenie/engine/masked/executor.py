@@ -39,6 +39,7 @@ from instgenie.engine.masked.context import (
     use_context,
 )
 from instgenie.engine.masked.conv_layout import ConvLayout
+from instgenie.engine.masked.kv_layout import kv_layout
 from instgenie.engine.masked.sparse_convs import resnet_stats_width
 from instgenie.engine.masked.timer import BlockTimer
 from instgenie.engine.request import RequestState
@@ -97,6 +98,8 @@ class MaskedExecutor:
         self.block_order = [b.block_id for b in self.blocks]
         #: the sparse conv blocks and their statistics' place in the cache (None: none hooked)
         self.convs = conv_layout(backbone, self.blocks)
+        #: the K/V blocks and their value slots (None: every cached block holds its output)
+        self.kv = None
         self.device = device
         #: ExecConfig.attention_backend (None = "auto"; tests and benchmarks switch it)
         self.attention_backend: str | None = execution.attention_backend
@@ -132,6 +135,7 @@ class MaskedExecutor:
         #: CUDA-graph replay of steps whose composition repeats (engine/graphs.py); a graph
         #: whose step reads host memory owns a loader (its ring is part of the graph)
         self.graphs = StepGraphs(device, execution.cuda_graphs, capture=execution.graph_capture)
+        self.set_kv_cache(execution.kv_cache == "on")
         #: the lowest bucket rung a step may take (the warm-up raises it to capture every rung)
         self.bucket_min_rung = 0
 
@@ -285,9 +289,27 @@ class MaskedExecutor:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks a template's cache holds per step: the hooked ones, and the statistics
-        pseudo-block of sparse convs."""
-        return len(self.blocks) + (self.convs is not None)
+        """Slots a template's cache holds per step: the hooked blocks' own, the statistics
+        pseudo-block of sparse convs, the value slots of K/V blocks."""
+        kv = 0 if self.kv is None else self.kv.num_slots
+        return len(self.blocks) + (self.convs is not None) + kv
+
+    def set_kv_cache(self, on: bool) -> None:
+        """Switch ExecConfig.kv_cache on a live executor (benchmarks comparing the layouts in one
+        process). Template keys name the layout, so each cache keeps being read as what it
+        holds; every step graph goes (captured with the other forwards), as do the token sets.
+        A pipeline's cost model (StepPricer) prices with the spec it was built with."""
+        first_free = len(self.blocks) + (self.convs is not None)
+        self.kv = kv_layout(self.blocks, first_free) if on else None
+        self.graphs.clear()
+        self._token_cache = None
+
+    @property
+    def cache_layout(self) -> str:
+        """What a template's cache holds beyond its transformer blocks' outputs (the template
+        key's `layout`): "convs" (sparse convs), "kv" (keys and values instead of outputs),
+        "" (nothing: the key of a plain cache is what it always was)."""
+        return "+".join(n for n, on in (("convs", self.convs), ("kv", self.kv)) if on is not None)
 
     def context(self, batch: list[RequestState], plan: StepPlan) -> StepContext | None:
         """The step's context (None: no request reads or records a cache and nothing is timed:
@@ -314,9 +336,11 @@ class MaskedExecutor:
         if self.convs is not None and any(_fp8(s) for s in batch):
             # a float8 cache cannot hold GroupNorm statistics (ConvLayout): convs compute all
             compute_all = compute_all | frozenset(self.convs.blocks)
+        if self.kv is not None:  # a K/V block's unmasked inputs are not cached (kv_layout.py)
+            compute_all = frozenset(b for b in compute_all if b not in self.kv)
         ctx = StepContext(rows, self.device, compute_all, self.attention_backend,
                           tuple(self.block_order), self.convs,
-                          tuple(batch[0].latents.shape[-2:]))  # fmt: skip
+                          tuple(batch[0].latents.shape[-2:]), kv=self.kv)  # fmt: skip
         # token sets depend only on the batch's composition: reuse them across its steps
         key = composition_key(batch)
         if self._token_cache is not None and self._token_cache[0] == key:
@@ -358,7 +382,7 @@ class MaskedExecutor:
         return [
             BlockLoad(b, (ctx.num_rows, *shapes[b]), ctx.cached_rows(b))
             for b in self.block_order
-            if ctx.is_masked(b) and not ctx.is_map_block(b)
+            if ctx.is_masked(b) and not ctx.is_map_block(b) and not ctx.is_kv(b)
         ]
 
     @staticmethod

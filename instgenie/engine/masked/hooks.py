@@ -24,7 +24,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from instgenie.engine.masked import conv_blocks, flux_blocks, unet_block
+from instgenie.engine.masked import conv_blocks, flux_blocks, flux_kv, unet_block
 from instgenie.engine.masked import sparse_convs as sparse_convs_mod
 from instgenie.engine.masked.context import current_context
 
@@ -69,7 +69,7 @@ class MaskedBlockHook(ModelHook):
         if out is None:
             out = self.fn_ref.original_forward(*args, **kwargs)
         if ctx is not None:
-            if ctx.capturing:
+            if ctx.capturing and not ctx.is_kv(self.block_id):  # K/V blocks record their own
                 ctx.record(self.block_id, self.image_output(out))
             ctx.block_done(self.block_id)
             if ctx.timer is not None:
@@ -141,15 +141,15 @@ _FORWARDS: dict[str, tuple[Callable, Callable, Callable, Callable | None]] = {
     "unet": (unet_block.check_supported, unet_block.masked_forward, lambda out: out, None),
     "flux_dual": (
         flux_blocks.check_supported,
-        flux_blocks.dual_masked_forward,
+        flux_kv.dual_masked_forward,
         lambda o: o[1],
-        None,
+        flux_kv.capture_forward(flux_kv.dual_masked_forward),
     ),  # fmt: skip
     "flux_single": (
         flux_blocks.check_supported,
-        flux_blocks.single_masked_forward,
+        flux_kv.single_masked_forward,
         lambda o: o[1],
-        None,
+        flux_kv.capture_forward(flux_kv.single_masked_forward),
     ),  # fmt: skip
     **{
         kind: (
