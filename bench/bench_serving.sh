@@ -26,6 +26,9 @@ serve=(--model "$MODEL" --devices "$DEVICE" --port "$PORT" --default-steps "$STE
 # shellcheck source=bench/serve_lib.sh
 source bench/serve_lib.sh
 start_server
+# what the workers run with (/health: workers[].execution), beside the reports
+$py -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+    "http://127.0.0.1:$PORT/health" > "$OUT/health.json" || true
 common=(--server "http://127.0.0.1:$PORT" --size "$SIZE" --templates "$TEMPLATES"
         --requests "$REQUESTS" --slo-ms "$SLO_MS" --seed "${SEED:-0}" --wait-ready-s 60)
 [ -n "${MASK_RATIOS:-}" ] && common+=(--mask-ratios "$MASK_RATIOS")

@@ -9,6 +9,8 @@ with ChildReady and hands it to clients in Stats when asked (GetStats.cost).
 
 from __future__ import annotations
 
+import dataclasses
+
 from instgenie.scheduler.fits import Profile
 from instgenie.scheduler.spec import BlockSpec, CostSpec, profile_fits
 
@@ -42,10 +44,14 @@ def block_spec(block, block_id: int, kind: str, stride: int) -> BlockSpec:  # no
 
 def family_blocks(fam) -> list[BlockSpec]:  # noqa: ANN001 - a loaded model family
     """The BlockSpec of every block the masked executor runs (transformer blocks; with sparse
-    convs also ResNets and samplers), in execution order."""
+    convs also ResNets and samplers), in execution order; K/V blocks marked."""
+    kv = fam.masked.kv
     return [
-        block_spec(fam.backbone.get_submodule(b.name), b.block_id, b.kind,
-                   fam.token_stride * 2**b.level)
+        dataclasses.replace(
+            block_spec(fam.backbone.get_submodule(b.name), b.block_id, b.kind,
+                       fam.token_stride * 2**b.level),
+            kv=kv is not None and b.block_id in kv,
+        )
         for b in fam.masked.blocks
     ]  # fmt: skip
 

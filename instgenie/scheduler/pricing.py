@@ -65,13 +65,13 @@ def conv_row_macs(d: BlockSpec, L: int, n: int) -> int:
     return 9 * (L if n >= L else min(L, round(TILE_WASTE * n))) * Ci * C  # samplers
 
 
-#: block kinds whose keys and values a K/V cache holds (engine/masked/kv_layout.py)
+#: block kinds whose keys and values a K/V cache may hold (engine/masked/kv_layout.py)
 KV_KINDS = ("flux_dual", "flux_single")
 
 
-def row_macs(d: BlockSpec, L: int, n: int, text_len: int, kv: bool = False) -> int:
-    """Multiply-adds of one batch row computing n of its L image tokens (n = L: full); `kv`: the
-    unmasked tokens' keys and values come from a K/V cache (Flux blocks: projected for n)."""
+def row_macs(d: BlockSpec, L: int, n: int, text_len: int) -> int:
+    """Multiply-adds of one batch row computing n of its L image tokens (n = L: full); a K/V
+    block (d.kv) reads its unmasked tokens' keys and values, projecting them for n."""
     C = d.channels
     if d.kind in CONV_KINDS:
         return conv_row_macs(d, L, n)
@@ -81,7 +81,7 @@ def row_macs(d: BlockSpec, L: int, n: int, text_len: int, kv: bool = False) -> i
             macs += 2 * n * C * C + 2 * text_len * d.context_dim * C + 2 * n * text_len * C
         return macs
     tt = text_len
-    kv_tokens = n if kv and d.kind in KV_KINDS else L  # image tokens projected to keys/values
+    kv_tokens = n if d.kv else L  # image tokens projected to keys and values
     if d.kind == "flux_dual":
         return (
             2 * 6 * C * C  # AdaLN modulation of both streams
@@ -95,11 +95,9 @@ def row_macs(d: BlockSpec, L: int, n: int, text_len: int, kv: bool = False) -> i
             + 2 * (tt + n) * (tt + L) * C)  # fmt: skip
 
 
-def batch_flops(
-    d: BlockSpec, L: int, masked_per_row: list[int], text_len: int, kv: bool = False
-) -> int:
+def batch_flops(d: BlockSpec, L: int, masked_per_row: list[int], text_len: int) -> int:
     """FLOPs of one block for a batch whose row r computes masked_per_row[r] tokens."""
-    return 2 * sum(row_macs(d, L, n, text_len, kv) for n in masked_per_row)
+    return 2 * sum(row_macs(d, L, n, text_len) for n in masked_per_row)
 
 
 def cached_bytes(L: int, C: int, rows: int, cache_dtype: str, slabs: int = 1) -> int:
@@ -181,17 +179,16 @@ def step_costs(spec: CostSpec, pixels: int, works: Sequence[RequestWork]) -> Blo
     for d, stride in lay.kinds:
         L = grids[stride]
         counts = Counter(per_row[stride])  # masked tokens per row -> rows
-        kv = spec.kv_cache and d.kind in KV_KINDS
         load = 0.0
         for w, fit in zip(works, fits, strict=True):
             if w.loads:  # one copy per request, each priced by its tier's fit
-                nbytes = cached_bytes(L, d.channels, w.rows, spec.cache_dtype, 2 if kv else 1)
+                nbytes = cached_bytes(L, d.channels, w.rows, spec.cache_dtype, 1 + d.kv)
                 load += fit_ms(fit, nbytes)
         # = batch_flops(d, L, rows' masked tokens, t): a sum of per-row terms
         full = _compute_ms(spec, d, "full", 2 * rows * row_macs(d, L, L, t))
         cached = full
         if reads:
-            flops = 2 * sum(k * row_macs(d, L, n, t, kv) for n, k in counts.items())
+            flops = 2 * sum(k * row_macs(d, L, n, t) for n, k in counts.items())
             cached = _compute_ms(spec, d, "cached", flops)
         per_kind.append((cached, full, load))
     return BlockCosts.from_kinds(per_kind, lay.seq)

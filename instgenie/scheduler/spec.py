@@ -28,6 +28,9 @@ class BlockSpec:
     context_dim: int = 0  # cross-attention context width (UNet attn2), 0 otherwise
     mlp: int = 0  # Flux single block: MLP hidden width, 0 otherwise
     in_channels: int = 0  # conv blocks: input channels, 0 otherwise
+    #: its cache holds keys and values (ExecConfig.kv_cache): it projects only masked tokens
+    #: to keys/values and a host load carries two slabs (engine/masked/kv_layout.py)
+    kv: bool = False
 
 
 def block_class(d: BlockSpec) -> str:
@@ -68,9 +71,9 @@ class CostSpec:
     #: masked steps pad their packed tokens up to a bucket's capacity and replay its graph
     #: (ExecConfig.graph_capture "buckets" on CUDA, scheduler/buckets.py): pricing adds the pads
     buckets: bool = False
-    #: Flux blocks' caches hold keys and values instead of outputs (ExecConfig.kv_cache): a
-    #: masked block projects only its masked tokens, loads two slabs, and cannot compute all
-    #: tokens (the planner gets no choice; engine/masked/kv_layout.py)
+    #: Flux blocks' caches hold keys and values instead of outputs (ExecConfig.kv_cache; the
+    #: blocks doing so have BlockSpec.kv): such a block cannot compute all tokens, so the
+    #: planner gets no choice (engine/masked/kv_layout.py)
     kv_cache: bool = False
 
 

@@ -102,12 +102,13 @@ def test_bucket_graphs_price_the_pads_of_the_steps_bucket() -> None:
 
 
 def _flux_spec(kv: bool) -> CostSpec:
-    """Flux.1's 19 dual and 38 single blocks (C 3072, feed-forward 4x, single MLP 4x)."""
+    """Flux.1's 19 dual and 38 single blocks (C 3072, feed-forward 4x, single MLP 4x); with
+    `kv`, every block but the first is a K/V block (kv_layout.py)."""
     C = 3072
     blocks = [BlockSpec(block_id=i, kind="flux_dual", channels=C, ff_macs=2 * C * 4 * C,
-                        stride=16) for i in range(19)]  # fmt: skip
+                        stride=16, kv=kv and i > 0) for i in range(19)]  # fmt: skip
     blocks += [BlockSpec(block_id=19 + i, kind="flux_single", channels=C, ff_macs=0, mlp=4 * C,
-                         stride=16) for i in range(38)]  # fmt: skip
+                         stride=16, kv=kv) for i in range(38)]  # fmt: skip
     return CostSpec(model="flux", granule=16, text_len=512, cfg=False, default_guidance=30.0,
                     default_steps=20, cache_dtype="bfloat16", blocks=blocks, kv_cache=kv,
                     load={"dram": LinearFit(slope=1e-6, intercept=0.0)})  # fmt: skip
@@ -121,10 +122,12 @@ def test_a_kv_cache_prices_masked_keys_and_values_and_two_slabs() -> None:
     px, n = 1024 * 1024, 819
     works = [RequestWork(1, ((16, n),), True)]
     out, kv = step_costs(_flux_spec(False), px, works), step_costs(_flux_spec(True), px, works)
-    for b in (0, 19):
+    for b in (1, 19):
         assert kv.compute_cached[b] / out.compute_cached[b] == pytest.approx(1 - 0.247, abs=5e-4)
         assert kv.compute_full[b] == out.compute_full[b]
         assert kv.load[b] == 2 * out.load[b]
+    # the first block computes its keys and values from its own inputs, and loads its output
+    assert (kv.compute_cached[0], kv.load[0]) == (out.compute_cached[0], out.load[0])
     slow = dataclasses.replace(_flux_spec(True), load={"dram": LinearFit(slope=1.0, intercept=0)})
     from instgenie.scheduler.planner import plan_step
 

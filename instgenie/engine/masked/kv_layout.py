@@ -34,10 +34,16 @@ class KVLayout:
 
 
 def kv_layout(blocks: list, first_free: int) -> KVLayout | None:
-    """The KVLayout of the K/V kinds among `blocks` (hooks.BlockInfo, id order), their value
-    slots numbered from `first_free` (the first id after every other cached block); None when
-    there are none (UNet families)."""
-    ids = [b.block_id for b in blocks if b.kind in KV_KINDS]
+    """The KVLayout of the K/V kinds among `blocks` (hooks.BlockInfo, id order) but the first,
+    their value slots numbered from `first_free` (the first id after every other cached block);
+    None when there are none (UNet families). The first block's inputs are the edit's own (the
+    embedder runs on every token): it computes every key and value from them, as with an output
+    cache, and caches its output, which the second block's masked rows start from. Its keys and
+    values in a cache would be the template's, whose conditioning (Flux Fill: the mask and the
+    masked image's latents) differs from the edit's around the mask: measured on flux-fill:ref,
+    whole-image SSIM against the full path 0.989 with it cached against 0.993 without
+    (docs/benchmarks/quality.md)."""
+    ids = [b.block_id for b in blocks if b.kind in KV_KINDS][1:]
     if not ids:
         return None
     return KVLayout({b: first_free + i for i, b in enumerate(ids)})
