@@ -128,12 +128,7 @@ def test_graph_form_reads_host_memory(family: str, loading: str, tmp_path) -> No
         ]
         ex.graphs.mode = "off"
         plain = _run_staggered(pipe, reqs)
-        ex.graphs = StepGraphs(ex.device, "all")
-        ex.graphs.force_static = True
-        if loading == "window":
-            ex.windows = "on"
-        else:
-            ex.loading = loading
+        graph_form_reading(ex, loading)
         loaders = []
         make = ex._graph_loader
         ex._graph_loader = lambda dtype: loaders.append(make(dtype)) or loaders[-1]
@@ -155,6 +150,17 @@ def test_graph_form_reads_host_memory(family: str, loading: str, tmp_path) -> No
     finally:
         tiered.close()
         cleanup(ns)
+
+
+def graph_form_reading(ex, loading: str) -> None:  # noqa: ANN001 - a MaskedExecutor
+    """Steps in the graph form (eagerly on CPU), host-tier rows read `loading`: "auto" (in
+    place), "pipelined" (the composition's loader) or "window" (device step windows)."""
+    ex.graphs = StepGraphs(ex.device, "all")
+    ex.graphs.force_static = True
+    if loading == "window":
+        ex.windows = "on"
+    else:
+        ex.loading = loading
 
 
 def test_a_window_is_decided_once_per_edit(tmp_path) -> None:

@@ -185,8 +185,7 @@ def test_host_tier_caches_read_every_way_equal_the_plain_path(loading: str, tmp_
     from instgenie.cache.host_store import HostActivationStore
     from instgenie.cache.shm_segment import cleanup
     from instgenie.cache.tiered import TieredStore
-    from instgenie.engine.graphs import StepGraphs
-    from tests.engine.test_graphs import _run_staggered
+    from tests.engine.test_graphs import _run_staggered, graph_form_reading
 
     ns = uuid.uuid4().hex[:10]
     tiered = TieredStore(tmp_path, ns, 256 << 20, 0, disk_enabled=False)
@@ -206,12 +205,7 @@ def test_host_tier_caches_read_every_way_equal_the_plain_path(loading: str, tmp_
         if loading == "eager-pipelined":
             ex.loading = "pipelined"
         else:
-            ex.graphs = StepGraphs(ex.device, "all")
-            ex.graphs.force_static = True
-            if loading == "window":
-                ex.windows = "on"
-            else:
-                ex.loading = loading
+            graph_form_reading(ex, loading)
         other = _run_staggered(pipe, reqs)
         for a, b in zip(plain, other, strict=True):
             assert torch.equal(a, b)

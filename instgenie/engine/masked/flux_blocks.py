@@ -197,22 +197,32 @@ def _dual(
         k = torch.cat([k_txt, k_img], dim=1)
         o = _joint_attention(q, k, v, image_rotary_emb, js, tt + L, ctx.attention_backend)
 
-    # image tokens (packed)
-    row = ts.row_of
     h = X.reshape(R * L, C).index_select(0, ts.flat_idx)
+    img = (gate_msa, shift_mlp, scale_mlp, gate_mlp)
+    E, h = dual_after_attention(block, o, js, ts.row_of, h, E, img,
+                                (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp))  # fmt: skip
+    return E, ctx.compose(block_id, X, ts, h)
+
+
+def dual_after_attention(block, o, js: JointSet, row, h, E, img: tuple, txt: tuple):  # noqa: ANN001
+    """A dual block after its joint attention `o` (Q, inner): the packed image tokens (inputs h,
+    batch row of each `row`) through the output projection and feed-forward, and the text
+    stream E (R, tt, C), every token; img / txt: (gate_msa, shift_mlp, scale_mlp, gate_mlp) of
+    each stream, (R, C) each. Returns (E, h)."""
+    attn = block.attn
+    gate_msa, shift_mlp, scale_mlp, gate_mlp = img
     h = h + gate_msa[row] * attn.to_out[1](attn.to_out[0](o[js.img_pos]))
     nh = block.norm2(h) * (1 + scale_mlp[row]) + shift_mlp[row]
     h = h + gate_mlp[row] * block.ff(nh)
-
-    # text tokens (every row, every token)
+    c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = txt
+    R, tt = E.shape[0], E.shape[1]
     ctx_attn = attn.to_add_out(o[js.txt_pos].reshape(R, tt, -1))
     E = E + c_gate_msa.unsqueeze(1) * ctx_attn
     ne = block.norm2_context(E) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
     E = E + c_gate_mlp.unsqueeze(1) * block.ff_context(ne)
     if E.dtype == torch.float16:
         E = E.clip(-65504, 65504)
-
-    return E, ctx.compose(block_id, X, ts, h)
+    return E, h
 
 
 def _single(
@@ -266,17 +276,14 @@ def _single(
     return E, ctx.compose(block_id, X, ts, h[js.img_pos])
 
 
-def dual_masked_forward(block, ctx: StepContext, block_id: int, hidden_states,
-                        encoder_hidden_states, *args: Any, **kwargs: Any):  # fmt: skip
-    """The dual block's masked forward; its packed 2-D inputs are the masked image tokens."""
+def dual_rows(ctx: StepContext, hidden_states: torch.Tensor):  # noqa: ANN201
+    """The dual block's packed 2-D rows (LoRA, lora.apply.packed_rows): its masked image
+    tokens."""
     ts = ctx.tokens(hidden_states.shape[1])
-    with packed_rows(ts.cu_q, ts.total):
-        return _dual(block, ctx, block_id, hidden_states, encoder_hidden_states, *args, **kwargs)
+    return packed_rows(ts.cu_q, ts.total)
 
 
-def single_masked_forward(block, ctx: StepContext, block_id: int, hidden_states,
-                          encoder_hidden_states, *args: Any, **kwargs: Any):  # fmt: skip
-    """The single block's masked forward; its packed 2-D inputs are the joint queries."""
+def single_rows(ctx: StepContext, hidden_states: torch.Tensor, encoder_hidden_states):  # noqa: ANN001, ANN201
+    """The single block's packed 2-D rows: its joint query rows (text and masked image)."""
     js = ctx.joint(hidden_states.shape[1], encoder_hidden_states.shape[1])
-    with packed_rows(js.cu_q, int(js.sel.shape[0])):
-        return _single(block, ctx, block_id, hidden_states, encoder_hidden_states, *args, **kwargs)
+    return packed_rows(js.cu_q, int(js.sel.shape[0]))

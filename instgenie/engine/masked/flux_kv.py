@@ -27,7 +27,6 @@ import torch
 
 from instgenie.engine.masked import flux_blocks as fb
 from instgenie.engine.masked.context import StepContext
-from instgenie.lora.apply import packed_rows
 
 
 def joint_kv(ctx: StepContext, block_id: int, values: bool, shape: tuple[int, int, int, int],
@@ -97,15 +96,20 @@ def _norm_rope_into(kernel, x, norm, rope, pos, out, dst=None) -> None:  # noqa:
     out.copy_(y) if dst is None else out.index_copy_(0, dst, y)
 
 
-def _dual(block, ctx: StepContext, block_id: int, hidden_states, encoder_hidden_states,
-          temb, image_rotary_emb, joint_attention_kwargs=None):  # fmt: skip
-    if joint_attention_kwargs:
+def _geometry(ctx: StepContext, X: torch.Tensor, E: torch.Tensor, kwargs: dict | None) -> tuple:
+    """(R, L, C, tt, seq, TokenSet, JointSet) of a block's image rows X (R, L, C) and text rows
+    E (R, tt, C)."""
+    if kwargs:
         raise NotImplementedError("masked execution does not support joint_attention_kwargs")
-    X, E, rope = hidden_states, encoder_hidden_states, image_rotary_emb
     R, L, C = X.shape
     tt = E.shape[1]
-    seq = tt + L
-    ts, js = ctx.tokens(L), ctx.joint(L, tt)
+    return R, L, C, tt, tt + L, ctx.tokens(L), ctx.joint(L, tt)
+
+
+def _dual(block, ctx: StepContext, block_id: int, hidden_states, encoder_hidden_states,
+          temb, image_rotary_emb, joint_attention_kwargs=None):  # fmt: skip
+    X, E, rope = hidden_states, encoder_hidden_states, image_rotary_emb
+    R, L, C, tt, seq, ts, js = _geometry(ctx, X, E, joint_attention_kwargs)
     attn = block.attn
     row = ts.row_of
 
@@ -137,30 +141,16 @@ def _dual(block, ctx: StepContext, block_id: int, hidden_states, encoder_hidden_
         record_kv(ctx, block_id, k.flatten(1), v.flatten(1), tt)
     o = fb._attend_roped(q, k[: R * seq], v[: R * seq], js, seq, ctx.attention_backend)
 
-    # image tokens (packed): as flux_blocks._dual
-    h = h + gate_msa[row] * attn.to_out[1](attn.to_out[0](o[js.img_pos]))
-    nh = block.norm2(h) * (1 + scale_mlp[row]) + shift_mlp[row]
-    h = h + gate_mlp[row] * block.ff(nh)
-
-    # text tokens (every row, every token)
-    ctx_attn = attn.to_add_out(o[js.txt_pos].reshape(R, tt, -1))
-    E = E + c_gate_msa.unsqueeze(1) * ctx_attn
-    ne = block.norm2_context(E) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
-    E = E + c_gate_mlp.unsqueeze(1) * block.ff_context(ne)
-    if E.dtype == torch.float16:
-        E = E.clip(-65504, 65504)
+    E, h = fb.dual_after_attention(block, o, js, row, h, E,
+                                   (gate_msa, shift_mlp, scale_mlp, gate_mlp),
+                                   (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp))  # fmt: skip
     return E, ctx.compose(block_id, X, ts, h)
 
 
 def _single(block, ctx: StepContext, block_id: int, hidden_states, encoder_hidden_states,
             temb, image_rotary_emb, joint_attention_kwargs=None):  # fmt: skip
-    if joint_attention_kwargs:
-        raise NotImplementedError("masked execution does not support joint_attention_kwargs")
     X, E, rope = hidden_states, encoder_hidden_states, image_rotary_emb
-    R, L, C = X.shape
-    tt = E.shape[1]
-    seq = tt + L
-    ts, js = ctx.tokens(L), ctx.joint(L, tt)
+    R, L, C, tt, seq, ts, js = _geometry(ctx, X, E, joint_attention_kwargs)
     attn = block.attn
 
     # the joint query rows' inputs: every text token, the masked image tokens (JointSet order)
@@ -195,26 +185,18 @@ def _single(block, ctx: StepContext, block_id: int, hidden_states, encoder_hidde
 
 def dual_masked_forward(block, ctx: StepContext, block_id: int, hidden_states,
                         encoder_hidden_states, *args: Any, **kwargs: Any):  # fmt: skip
-    """A dual block's masked forward: the K/V form for a K/V block, else flux_blocks'; packed
-    2-D inputs (LoRA rows) are the masked image tokens in both."""
-    if not ctx.is_kv(block_id):
-        return fb.dual_masked_forward(block, ctx, block_id, hidden_states,
-                                      encoder_hidden_states, *args, **kwargs)  # fmt: skip
-    ts = ctx.tokens(hidden_states.shape[1])
-    with packed_rows(ts.cu_q, ts.total):
-        return _dual(block, ctx, block_id, hidden_states, encoder_hidden_states, *args, **kwargs)
+    """A dual block's masked forward: the K/V form for a K/V block, else flux_blocks'."""
+    impl = _dual if ctx.is_kv(block_id) else fb._dual
+    with fb.dual_rows(ctx, hidden_states):
+        return impl(block, ctx, block_id, hidden_states, encoder_hidden_states, *args, **kwargs)
 
 
 def single_masked_forward(block, ctx: StepContext, block_id: int, hidden_states,
                           encoder_hidden_states, *args: Any, **kwargs: Any):  # fmt: skip
-    """A single block's masked forward: the K/V form for a K/V block, else flux_blocks'; packed
-    2-D inputs are the joint query rows in both."""
-    if not ctx.is_kv(block_id):
-        return fb.single_masked_forward(block, ctx, block_id, hidden_states,
-                                        encoder_hidden_states, *args, **kwargs)  # fmt: skip
-    js = ctx.joint(hidden_states.shape[1], encoder_hidden_states.shape[1])
-    with packed_rows(js.cu_q, int(js.sel.shape[0])):
-        return _single(block, ctx, block_id, hidden_states, encoder_hidden_states, *args, **kwargs)
+    """A single block's masked forward: the K/V form for a K/V block, else flux_blocks'."""
+    impl = _single if ctx.is_kv(block_id) else fb._single
+    with fb.single_rows(ctx, hidden_states, encoder_hidden_states):
+        return impl(block, ctx, block_id, hidden_states, encoder_hidden_states, *args, **kwargs)
 
 
 def capture_forward(masked_forward):  # noqa: ANN001, ANN201
