@@ -72,16 +72,21 @@ def profile_compute(pipe, size: int, batches, ratios, warmup: int, iters: int, l
                 states = bench.states(ratio, batch, masked=True)
                 text_len = int(states[0].cond["prompt_embeds"].shape[1])
                 for mode in MODES:
+                    run = states
+                    if mode == "full" and fam.masked.kv is not None:
+                        # a K/V block cannot compute every token of a cache-reading row (its
+                        # inputs are not cached: kv_layout.py): the full path's rows
+                        run = bench.states(ratio, batch, masked=False)
                     compute_all = frozenset() if mode == "cached" else frozenset(dims)
-                    per_block, step_ms = _time_blocks(pipe, states, compute_all, warmup, iters)
-                    rows_px = sum(s.num_rows for s in states) * size * size
+                    per_block, step_ms = _time_blocks(pipe, run, compute_all, warmup, iters)
+                    rows_px = sum(s.num_rows for s in run) * size * size
                     other.append((rows_px, max(0.0, step_ms - sum(per_block.values()))))
                     for b, ms in per_block.items():
                         L, _ = shapes[b]
                         rows = [
-                            idx.numel() if mode == "cached" else L
-                            for s in states
-                            for idx in [s.token_index[L]] * s.num_rows
+                            L if mode == "full" else s.token_index[L].numel()
+                            for s in run
+                            for _ in range(s.num_rows)
                         ]
                         flops = batch_flops(dims[b], L, rows, text_len)
                         samples[block_class(dims[b])][mode].append((flops, ms))

@@ -265,3 +265,36 @@ def test_an_fp8_cache_holds_keys_and_values_too() -> None:
         out.append(_edit(pipe, key, "ellipse", prompt="a scarf", seed=3))
     scale = float(out[0].abs().max())
     assert 0 < float((out[1] - out[0]).abs().max()) <= 1e-3 * scale
+
+
+def test_the_profiler_times_k_v_blocks_both_ways() -> None:
+    """`instgenie profile` with K/V blocks: "cached" samples are masked steps priced with kv
+    FLOPs; "full" samples are full-path steps (a K/V block cannot compute every token of a
+    cache-reading row), every block of them run stock, priced as full."""
+    from instgenie.engine.profiling import profile_compute
+
+    pipe = _pipe("on", "fp32")
+    ran = []
+    ex = pipe.family.masked
+    run = ex.run_backbone
+
+    def spy(batch, plan, fn, *args, **kwargs):  # noqa: ANN001, ANN202
+        out = run(batch, plan, fn, *args, **kwargs)
+        ctx = ex.last_context
+        ran.append((tuple(s.path for s in batch), sorted(ctx.masked_blocks), plan.compute_all))
+        return out
+
+    ex.run_backbone = spy
+    try:
+        compute = profile_compute(pipe, 2 * pipe.family.granule, [1], [0.25], warmup=0, iters=1,
+                                  log=lambda m: None)  # fmt: skip
+    finally:
+        del ex.run_backbone
+    timed = [(p, blocks) for p, blocks, every in ran if every]  # the "full" mode's steps
+    assert timed and all(p == ("full",) and blocks == [] for p, blocks in timed)
+    assert any(p == ("masked",) and blocks for p, blocks, every in ran if not every)
+    samples = compute["samples"]
+    assert set(samples) == set(compute["blocks"].values())
+    for c in samples:
+        (fc, _), (ff, _) = samples[c]["cached"][0], samples[c]["full"][0]
+        assert fc < ff
