@@ -102,7 +102,10 @@ def encode_png(rgb: np.ndarray, level: int, strategy: int = zlib.Z_DEFAULT_STRAT
     zero = np.zeros(W * bpp, dtype=np.uint8)
     jobs = [(x[s : s + rows], x[s - 1] if s else zero, bpp, level, strategy, s + rows >= H)
             for s in starts]  # fmt: skip
-    parts = [_band(*j) for j in jobs] if len(jobs) == 1 else list(_pool().map(_band_args, jobs))
+    if len(jobs) == 1:
+        parts = [_band(*jobs[0])]
+    else:
+        parts = list(_pool().map(lambda job: _band(*job), jobs))
     adler = 1
     for a, _, length in parts:
         adler = _adler_combine(adler, a, length)
@@ -113,7 +116,3 @@ def encode_png(rgb: np.ndarray, level: int, strategy: int = zlib.Z_DEFAULT_STRAT
     stream = bytes((cmf, flg)) + b"".join(seg for _, seg, _ in parts) + struct.pack(">I", adler)
     header = struct.pack(">IIBBBBB", W, H, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
     return _SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", stream) + _chunk(b"IEND", b"")
-
-
-def _band_args(job: tuple) -> tuple[int, bytes, int]:
-    return _band(*job)

@@ -21,6 +21,7 @@ set (bucket graphs) write their keys and values to a trash row past the joint se
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,23 +47,31 @@ def joint_kv(ctx: StepContext, block_id: int, values: bool, shape: tuple[int, in
     return buf
 
 
-def kv_rows(ctx: StepContext, L: int, tt: int) -> torch.Tensor:
-    """(Q,) int64: where each packed joint query row (JointSet order: text and masked image rows)
-    writes its key and value in joint_kv's buffer (r * seq + position; a pad of a padded set:
-    the trash row R * seq, where duplicates race harmlessly). Built once per composition."""
+@dataclass
+class _KVRows:
+    """Where each packed joint query row (JointSet order: text and masked image rows) writes its
+    key and value in joint_kv's buffer: r * seq + position; a pad of a padded set, the trash row
+    R * seq, where duplicates race harmlessly. (Q,) int64, and its image and text parts."""
+
+    all: torch.Tensor
+    img: torch.Tensor
+    txt: torch.Tensor
+
+
+def kv_rows(ctx: StepContext, L: int, tt: int) -> _KVRows:
+    """The composition's _KVRows, built once (its blocks and steps reuse them)."""
     key = ("kv_rows", L, tt)
-    dst = ctx._joint.get(key)
-    if dst is None:
+    rows = ctx._joint.get(key)
+    if rows is None:
         ts, js = ctx.tokens(L), ctx.joint(L, tt)
         seq = tt + L
         dst = js.row_of * seq + js.pos_in_row
         if ts.scatter_idx is not None:
             idx = ts.scatter_idx  # r * L + pos, or R * L for a pad
             img = idx // L * seq + tt + idx % L
-            dst = dst.clone()
             dst[js.img_pos] = torch.where(idx == ctx.num_rows * L, ctx.num_rows * seq, img)
-        ctx._joint[key] = dst
-    return dst
+        rows = ctx._joint[key] = _KVRows(dst, dst[js.img_pos], dst[js.txt_pos])
+    return rows
 
 
 def record_kv(ctx: StepContext, block_id: int, k: torch.Tensor, v: torch.Tensor, tt: int) -> None:
@@ -123,20 +132,19 @@ def _dual(block, ctx: StepContext, block_id: int, hidden_states, encoder_hidden_
     H, hd = q_img.shape[1], q_img.shape[2]
     q_txt, k_txt, v_txt = (t.reshape(R * tt, H, hd) for t in (q_txt, k_txt, v_txt))
 
-    dst = kv_rows(ctx, L, tt)
-    dst_img, dst_txt = dst[js.img_pos], dst[js.txt_pos]
+    dst, rr = kv_rows(ctx, L, tt), fb._rope_rows(ctx, js, R, L, tt)
     shape = (R, tt, L, H * hd)
     k = joint_kv(ctx, block_id, False, shape, X.dtype).view(-1, H, hd)
     v = joint_kv(ctx, block_id, True, shape, X.dtype).view(-1, H, hd)
-    v.index_copy_(0, dst_img, v_img)
-    v.index_copy_(0, dst_txt, v_txt)
+    v.index_copy_(0, dst.img, v_img)
+    v.index_copy_(0, dst.txt, v_txt)
     kernel = fb._fused(attn, X, rope)
-    pos_img, pos_txt = js.pos_in_row[js.img_pos], js.pos_in_row[js.txt_pos]
+    pos_img, pos_txt = rr.q_img_pos, rr.q_txt_pos  # RoPE table rows of the query rows
     q = q_img.new_empty(js.sel.shape[0], H, hd)
     _norm_rope_into(kernel, q_img, attn.norm_q, rope, pos_img, q, js.img_pos)
     _norm_rope_into(kernel, q_txt, attn.norm_added_q, rope, pos_txt, q, js.txt_pos)
-    _norm_rope_into(kernel, k_img, attn.norm_k, rope, pos_img, k, dst_img)
-    _norm_rope_into(kernel, k_txt, attn.norm_added_k, rope, pos_txt, k, dst_txt)
+    _norm_rope_into(kernel, k_img, attn.norm_k, rope, pos_img, k, dst.img)
+    _norm_rope_into(kernel, k_txt, attn.norm_added_k, rope, pos_txt, k, dst.txt)
     if ctx.capturing:
         record_kv(ctx, block_id, k.flatten(1), v.flatten(1), tt)
     o = fb._attend_roped(q, k[: R * seq], v[: R * seq], js, seq, ctx.attention_backend)
@@ -163,7 +171,7 @@ def _single(block, ctx: StepContext, block_id: int, hidden_states, encoder_hidde
     q_lin, k_lin, v_q = _qkv(attn, n, img=True)
     H, hd = q_lin.shape[1], q_lin.shape[2]
 
-    dst = kv_rows(ctx, L, tt)
+    dst = kv_rows(ctx, L, tt).all
     shape = (R, tt, L, H * hd)
     k = joint_kv(ctx, block_id, False, shape, X.dtype).view(-1, H, hd)
     v = joint_kv(ctx, block_id, True, shape, X.dtype).view(-1, H, hd)
