@@ -10,11 +10,18 @@ diffusers", the per-stage split of where the remaining time goes). Not a test.
   the fast level), each stage synchronised (bench_masked_step.staged_run), CUDA graphs as served
   (graph_capture "buckets": the worker's warm-up captures them first, worker/warmup.py);
 - masked_kv (--kv): the masked path on a template whose cache holds keys and values (ExecConfig
-  kv_cache; the executor switched in place, its own template and warm-up).
+  kv_cache; the executor switched in place, its own template and warm-up);
+- batch (--batch N): N masked edits of the template run as one batch (every step batches all
+  of them, as the serving loop does with N queued edits), mask ratios evenly spaced over
+  --batch-ratios, each its own seed; stages run one after another and synchronised (pre-process
+  each, the batched steps, one batched VAE decode, encode each): images per second against stock
+  diffusers run one request at a time (issue 28's batch-8 figure, without the server's overlap of
+  pre/post-processing with the steps).
 Random weights (`full`): the compute cost is the real one. Two rounds, the second timed.
 
     python bench/stock_vs_engine.py --models flux-fill:full sdxl-inpaint:full --steps 20 \\
         --out $OUT/stock_vs_engine.json
+    python bench/stock_vs_engine.py --models sdxl-inpaint:full --batch 8 --out $OUT/b8.json
 """
 
 from __future__ import annotations
@@ -69,6 +76,40 @@ def stock_call(pipe: EditPipeline, image: Image.Image, mask: Image.Image, steps:
     return {"pipeline": round(t1 - t0, 4), "encode": round(time.perf_counter() - t1, 4)}
 
 
+def batch_run(pipe: EditPipeline, png: bytes, template: str, steps: int, n: int,
+              ratios: tuple[float, float]) -> dict:  # fmt: skip
+    """Seconds per stage of `n` masked edits run as one batch (stages synchronised), their mask
+    ratios and how many steps each step of the batch ran (all n: one composition)."""
+    size, granule = pipe.family.default_size, pipe.family.granule
+    lo, hi = ratios
+    wanted = [lo + (hi - lo) * i / max(1, n - 1) for i in range(n)]
+    masks = [ratio_mask(size, size, r, granule) for r in wanted]
+    reqs = [EditRequest(uid=f"b{i}", image=png, mask=encode_image(m, "png"), prompt=PROMPT,
+                        seed=100 + i, num_inference_steps=steps, template_id=template,
+                        paste_back=False)  # fmt: skip
+            for i, m in enumerate(masks)]  # fmt: skip
+    dev, t = pipe.family.device, {}
+
+    def mark(name: str, t0: float) -> float:
+        _sync(dev)
+        now = time.perf_counter()
+        t[name] = round(now - t0, 4)
+        return now
+
+    t0 = time.perf_counter()
+    states = [pipe.preprocess(r) for r in reqs]
+    assert all(s.path == "masked" for s in states), [s.path for s in states]
+    t0 = mark("preprocess", t0)
+    while not all(s.is_done for s in states):
+        pipe.denoise_step(states)
+    t0 = mark("steps", t0)
+    images = pipe.decode_latents(states)
+    t0 = mark("vae_decode", t0)
+    results = [pipe.finish(s, img) for s, img in zip(states, images, strict=True)]
+    mark("encode", t0)
+    return {"stages_s": t, "mask_ratios": [round(r.mask_ratio, 3) for r in results]}
+
+
 def _warm(pipe: EditPipeline) -> float | None:
     """The worker's warm-up where serving would run one (bucket graphs); its seconds."""
     if pipe.family.masked.graphs.capture != "buckets" or pipe.family.device.type != "cuda":
@@ -79,7 +120,8 @@ def _warm(pipe: EditPipeline) -> float | None:
 
 
 def one_model(model: str, steps: int, ratio: float, execution: ExecConfig, device: str,
-              kv: bool = False) -> dict:  # fmt: skip
+              kv: bool = False, batch: int = 0,
+              batch_ratios: tuple[float, float] = (0.05, 0.35)) -> dict:  # fmt: skip
     pipe = EditPipeline.load(model, device=device, execution=execution)
     size = pipe.family.default_size
     image = template_image(size)
@@ -107,6 +149,15 @@ def one_model(model: str, steps: int, ratio: float, execution: ExecConfig, devic
     for _ in range(2):
         rows["full"] = request(pipe, "full", None)
         rows["masked"] = request(pipe, "masked", key)
+    batched = None
+    if batch:
+        for _ in range(2):
+            batched = batch_run(pipe, png, key, steps, batch, batch_ratios)
+        total = sum(batched["stages_s"].values())
+        stock_ips = 1.0 / sum(rows["stock"].values())
+        batched.update(n=batch, total_s=round(total, 3), images_per_s=round(batch / total, 3),
+                       stock_images_per_s=round(stock_ips, 3),
+                       vs_stock=round(batch / total / stock_ips, 3))  # fmt: skip
     pipe.store.delete(key)
     if kv:  # its own template (2x the bytes: the output cache goes first) and warm-up
         pipe.family.masked.set_kv_cache(True)
@@ -122,7 +173,8 @@ def one_model(model: str, steps: int, ratio: float, execution: ExecConfig, devic
               "warm_up_s": warm, "full_vs_stock": round(totals["stock"] / totals["full"], 3),
               **{f"{k}_vs_stock": round(totals["stock"] / totals[k], 3)
                  for k in ("masked", "masked_kv") if k in totals},
-              "masked_vs_full": round(totals["full"] / totals["masked"], 3)}  # fmt: skip
+              "masked_vs_full": round(totals["full"] / totals["masked"], 3),
+              "batch": batched}  # fmt: skip
     del pipe
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -140,6 +192,14 @@ def main() -> int:
         action="store_true",
         help="also the masked path on a K/V cache (Flux: ExecConfig.kv_cache)",
     )
+    p.add_argument("--batch", type=int, default=0, help="also N masked edits as one batch")
+    p.add_argument(
+        "--batch-ratios",
+        type=float,
+        nargs=2,
+        default=(0.05, 0.35),
+        help="the batch's mask ratios, evenly spaced from the first to the second",
+    )
     p.add_argument("--out", type=Path, required=True)
     add_exec_args(p)
     args = p.parse_args()
@@ -147,7 +207,18 @@ def main() -> int:
     out = {"env": environment(torch.device(args.device), execution), "argv": sys.argv, "runs": []}
     for model in args.models:
         kv = args.kv and model.startswith("flux")
-        out["runs"].append(one_model(model, args.steps, args.ratio, execution, args.device, kv))
+        out["runs"].append(
+            one_model(
+                model,
+                args.steps,
+                args.ratio,
+                execution,
+                args.device,
+                kv,
+                args.batch,
+                tuple(args.batch_ratios),
+            )
+        )
         print(json.dumps(out["runs"][-1]), flush=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0
