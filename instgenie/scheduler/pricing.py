@@ -173,8 +173,9 @@ def step_costs(spec: CostSpec, pixels: int, works: Sequence[RequestWork]) -> Blo
             for _ in range(w.rows)]
         for s, L in grids.items()
     }  # fmt: skip
-    if reads:
-        per_row = padded(spec, works, grids, per_row)
+    bucket = step_bucket(spec, works, grids, per_row) if reads else None
+    if bucket is not None:
+        per_row = padded(per_row, bucket, grids)
     per_kind = []
     for d, stride in lay.kinds:
         L = grids[stride]
@@ -187,32 +188,37 @@ def step_costs(spec: CostSpec, pixels: int, works: Sequence[RequestWork]) -> Blo
         # = batch_flops(d, L, rows' masked tokens, t): a sum of per-row terms
         full = _compute_ms(spec, d, "full", 2 * rows * row_macs(d, L, L, t))
         cached = full
-        if reads:
+        # a bucketed step's conv blocks compute every token inside its graph (the executor's
+        # rule: engine/masked/executor.py _run_bucketed); the other steps' compute their tiles
+        if reads and not (bucket is not None and d.kind in CONV_KINDS):
             flops = 2 * sum(k * row_macs(d, L, n, t) for n, k in counts.items())
             cached = _compute_ms(spec, d, "cached", flops)
         per_kind.append((cached, full, load))
     return BlockCosts.from_kinds(per_kind, lay.seq)
 
 
-def padded(
+def step_bucket(
     spec: CostSpec,
     works: Sequence[RequestWork],
     grids: dict[int, int],
     per_row: dict[int, list[int]],
-) -> dict[int, list[int]]:
-    """The masked tokens of each row (`per_row`: stride -> list over batch rows) as a worker with
-    bucket graphs computes them (engine/masked/context.py `pad_to`): raised to the capacity of
-    the step's bucket, the pads distributed as `buckets.pads` says (the executor's rule).
-    Unchanged where the step runs eagerly: no buckets, more requests than buckets are captured
-    for, sparse conv blocks, rows streamed from the host each step, or more tokens than the top
-    rung holds."""
-    if (not spec.buckets or len(works) > buckets.MAX_REQUESTS or any(w.loads for w in works)
-            or any(b.kind in CONV_KINDS for b in spec.blocks)):  # fmt: skip
-        return per_row
+) -> buckets.Bucket | None:
+    """The bucket whose graph a worker with bucket graphs runs this step in (engine/
+    bucket_graphs.py), or None where the step runs eagerly: no buckets, more requests than
+    buckets are captured for, rows streamed from the host each step, or more tokens than the top
+    rung holds. `per_row`: stride -> masked tokens of each batch row."""
+    if not spec.buckets or len(works) > buckets.MAX_REQUESTS or any(w.loads for w in works):
+        return None
     rows = sum(w.rows for w in works)
-    bucket = buckets.pick(rows, {grids[s]: sum(n) for s, n in per_row.items()})
-    if bucket is None:
-        return per_row
+    return buckets.pick(rows, {grids[s]: sum(n) for s, n in per_row.items()})
+
+
+def padded(
+    per_row: dict[int, list[int]], bucket: buckets.Bucket, grids: dict[int, int]
+) -> dict[int, list[int]]:
+    """The masked tokens of each row (`per_row`: stride -> list over batch rows) as a bucketed
+    step computes them (engine/masked/context.py `pad_to`): raised to `bucket`'s capacity, the
+    pads distributed as `buckets.pads` says (the executor's rule)."""
     return {s: [n + p for n, p in zip(ns, buckets.pads(ns, bucket.capacity(grids[s]), grids[s]),
                                       strict=True)]
             for s, ns in per_row.items()}  # fmt: skip

@@ -270,3 +270,70 @@ def test_a_source_the_kernel_cannot_read_is_not_bound() -> None:
     bound = bound_rows.BoundRows(1, 2, torch.device("cpu"), kernel=False)
     assert bound.bind(ctx, [0], "key") is False and bound.key is None
     assert not bool(bound.base.any())
+
+
+def _convs_pipe(sparse: str) -> EditPipeline:
+    from instgenie.config import ExecConfig
+
+    return EditPipeline.load("sdxl-inpaint:tiny", execution=ExecConfig(sparse_convs=sparse))
+
+
+def _count_tiles(monkeypatch) -> list[int]:
+    """Calls of the sparse conv blocks' tile forward (one per conv block and step with tiles)."""
+    from instgenie.engine.masked import sparse_convs
+
+    calls: list[int] = []
+    tiles_forward = sparse_convs.tiles_forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return tiles_forward(*args, **kwargs)
+
+    monkeypatch.setattr(sparse_convs, "tiles_forward", counting)
+    return calls
+
+
+def test_a_bucketed_step_computes_sparse_convs_densely(monkeypatch) -> None:
+    """With sparse convs, a step that takes a bucket runs its conv blocks densely inside the
+    graph (their tiles have no fixed shape): the edits equal attention-only masking
+    (sparse_convs "off") on the plain path, and no tile is computed."""
+    off, on = _convs_pipe("off"), _convs_pipe("auto")
+    assert on.family.masked.convs is not None
+    reqs = [r for r in _requests(off) if r.uid in ("a", "d")]  # two edits, staggered
+    off.family.masked.graphs.mode = "off"
+    plain = _run_staggered(off, reqs)
+    graphs = _bucketed(on)
+    edits = [r for r in _requests(on) if r.uid in ("a", "d")]  # (captures its templates)
+    eager = graphs.counters["eager"]
+    calls = _count_tiles(monkeypatch)
+    bucketed = _run_staggered(on, edits)
+    assert not calls
+    assert graphs.counters["warmup"] == STEPS + 1 and graphs.counters["eager"] == eager
+    assert on.family.masked.last_context.compute_all >= set(on.family.masked.convs.blocks)
+    for a, b in zip(plain, bucketed, strict=True):
+        assert _close(b, a)
+
+
+def test_a_step_without_a_bucket_still_computes_sparse_tiles(monkeypatch) -> None:
+    """Serving more requests than buckets are captured for: the step has no bucket and runs
+    eagerly, its conv blocks on their tiles with the template's statistics (what sparse convs
+    exist for at large batches)."""
+    on = _convs_pipe("auto")
+    graphs = _bucketed(on, warming=False)
+    key = _template(on, 1)
+    boxes = [(0.1 * i, 0.1, 0.1 * i + 0.25, 0.35) for i in range(buckets.MAX_REQUESTS + 1)]
+    states = [on.preprocess(_edit(f"e{i}", key, box, 10 + i)) for i, box in enumerate(boxes)]
+    eager = graphs.counters["eager"]
+    calls = _count_tiles(monkeypatch)
+    on.denoise_step(states)
+    assert calls and graphs.counters["eager"] == eager + 1 and graphs.counters["warmup"] == 0
+    assert not on.family.masked.last_context.compute_all
+
+
+def test_the_warm_up_makes_buckets_with_sparse_convs() -> None:
+    """With sparse convs on, the warm-up still makes the buckets serving replays (their conv
+    blocks dense), so a served edit that fits one never runs its small batch eagerly."""
+    on = _convs_pipe("auto")
+    graphs = _bucketed(on, warming=False)
+    report = warmup.warm_up(on, max_batch=1)
+    assert report is not None and len(graphs.buckets.entries) >= 1

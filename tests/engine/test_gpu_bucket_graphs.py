@@ -17,13 +17,17 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("family, setting", [("sdxl-inpaint", "off"), ("flux-fill", "off"),
-                                             ("flux-fill", "kv")])  # fmt: skip
+@pytest.mark.parametrize(
+    "family, setting",
+    [("sdxl-inpaint", "off"), ("sdxl-inpaint", "auto"), ("flux-fill", "off"), ("flux-fill", "kv")],
+)
 def test_bucket_graphs_replay_any_composition_of_their_bucket(family: str, setting: str) -> None:
     """graph_capture "buckets": graphs captured while warming (one per bucket met) replay
     later compositions of their bucket — A, B (another template and mask of the same size),
     A again, then a staggered pair — without capturing, bit-identical to the warming run and
-    within rounding of the eager plain path."""
+    within rounding of the eager plain path (with sparse convs, "auto", a bucket computes the
+    conv blocks densely while the plain path computes their tiles: that pair is compared on
+    CPU, against attention-only masking, tests/engine/test_bucket_graphs.py)."""
     from instgenie.engine.graphs import StepGraphs
     from instgenie.worker import warmup
     from tests.engine.test_graphs import _run_staggered
@@ -68,7 +72,8 @@ def test_bucket_graphs_replay_any_composition_of_their_bucket(family: str, setti
     assert counters["replay"] - captured["replay"] >= 4 * 6, counters
     for e, w, s, g in zip(eager, warm, served, again, strict=True):
         assert torch.equal(w, s) and torch.equal(s, g)
-        assert float((e - s).abs().max()) <= 1e-5 * float(e.abs().max())
+        if setting != "auto":
+            assert float((e - s).abs().max()) <= 1e-5 * float(e.abs().max())
     assert report is not None and report.graphs >= len(graphs.buckets.entries) > 0
     assert (
         final["capture"] == after_warm_up["capture"] and final["replay"] > after_warm_up["replay"]

@@ -73,7 +73,8 @@ def test_from_kinds_equals_the_checked_constructor_and_keeps_its_invariants() ->
 def test_bucket_graphs_price_the_pads_of_the_steps_bucket() -> None:
     """A worker with bucket graphs (CostSpec.buckets) runs a masked step padded to its bucket's
     capacity on every grid (scheduler/buckets.py): the cached compute is priced at the padded
-    tokens, the full compute is not, and steps that run eagerly are priced unpadded."""
+    tokens, the full compute is not, and steps that run eagerly are priced unpadded; sparse conv
+    blocks are priced dense in a bucketed step, on their tiles in an eager one."""
     spec = dataclasses.replace(SPEC, buckets=True)
     works = [RequestWork(2, TOKENS)]  # 100 of 1024 and 30 of 256 tokens a row, two rows
     # ratios 200/2048 and 60/512: rung 5 (0.04 * 1.25**5 = 0.122) is the lowest holding both
@@ -95,10 +96,18 @@ def test_bucket_graphs_price_the_pads_of_the_steps_bucket() -> None:
         assert step_costs(spec, PX, batch) == step_costs(SPEC, PX, batch)
     conv = BlockSpec(block_id=4, kind="resnet", channels=320, ff_macs=0, stride=16,
                      in_channels=320)  # fmt: skip
+    # with sparse conv blocks, a bucketed step computes them densely inside its graph (the
+    # executor's rule): priced at their full compute, the transformer blocks padded as before;
+    # a step that runs eagerly computes their tiles
     convs = dataclasses.replace(SPEC, blocks=[*BLOCKS, conv])
-    assert step_costs(dataclasses.replace(convs, buckets=True), PX, works) == step_costs(
-        convs, PX, works
-    )
+    got = step_costs(dataclasses.replace(convs, buckets=True), PX, works)
+    sparse = step_costs(convs, PX, works)
+    assert got.compute_cached[:4] == step_costs(spec, PX, works).compute_cached
+    assert got.compute_cached[4] == got.compute_full[4] > sparse.compute_cached[4]
+    for batch in eager:
+        assert step_costs(dataclasses.replace(convs, buckets=True), PX, batch) == step_costs(
+            convs, PX, batch
+        )
 
 
 def _flux_spec(kv: bool) -> CostSpec:

@@ -164,6 +164,7 @@ class MaskedExecutor:
                 out = self._run_bucketed(batch, plan, ctx, dtype, loras, fn, args, kwargs)
                 if out is not None:
                     return out
+                self.last_context = ctx  # (_run_bucketed may have made a dense-convs one)
                 self.graphs.buckets.release()  # the last binding's sources may go
             elif plan.may_graph and self.graphs.eligible(ctx, dtype, self.block_order):
                 # the LoraBatch itself: a graph reads its tensors, so it lives as long as the graph.
@@ -200,11 +201,18 @@ class MaskedExecutor:
         bucketed (ineligible, or no graph of its bucket; the caller runs it eagerly)."""
         graphs = self.graphs
         graphs.buckets.release_dead()
+        if self.convs is not None and ctx.reads_cache:
+            # sparse convs: a bucket's graph computes the conv blocks densely. Their tile
+            # operations have no fixed shape to capture, and a graph of dense convs is faster
+            # than an eager sparse step at the batch sizes that get buckets (decision 0054);
+            # larger batches, where the tiles pay, run sparse and eagerly
+            ctx = self.context(batch, plan, dense_convs=True)
         if not plan.may_graph or not graphs.eligible(ctx, dtype, self.block_order):
             return None
-        if (not ctx.reads_cache or ctx.compute_all or self.convs is not None
+        dense = frozenset(self.convs.blocks) if self.convs is not None else frozenset()
+        if (not ctx.reads_cache or ctx.compute_all - dense
                 or loras is not None or self._use_loader(ctx.requests)):  # fmt: skip
-            return None  # v1: the planner's compute-all sets, sparse convs, LoRA, streamed rows
+            return None  # v1: the planner's compute-all sets, LoRA, streamed rows
         if any(r.handle is not None and not same_device(r.handle.device, self.device)
                and getattr(r.handle, "window", None) is None for r in ctx.requests):  # fmt: skip
             return None  # host rows read in place ("naive" loading): their pins end with the
@@ -311,9 +319,12 @@ class MaskedExecutor:
         "" (nothing: the key of a plain cache is what it always was)."""
         return "+".join(n for n, on in (("convs", self.convs), ("kv", self.kv)) if on is not None)
 
-    def context(self, batch: list[RequestState], plan: StepPlan) -> StepContext | None:
+    def context(
+        self, batch: list[RequestState], plan: StepPlan, dense_convs: bool = False
+    ) -> StepContext | None:
         """The step's context (None: no request reads or records a cache and nothing is timed:
-        the blocks run their stock forward)."""
+        the blocks run their stock forward); `dense_convs`: sparse conv blocks compute every
+        token (a bucketed step's form: _run_bucketed)."""
         if not plan.timed and not any(
             s.cache_handle is not None or s.writer is not None for s in batch
         ):
@@ -333,7 +344,7 @@ class MaskedExecutor:
             )
             start += s.num_rows
         compute_all = plan.compute_all
-        if self.convs is not None and any(_fp8(s) for s in batch):
+        if self.convs is not None and (dense_convs or any(_fp8(s) for s in batch)):
             # a float8 cache cannot hold GroupNorm statistics (ConvLayout): convs compute all
             compute_all = compute_all | frozenset(self.convs.blocks)
         if self.kv is not None:  # a K/V block's unmasked inputs are not cached (kv_layout.py)
