@@ -69,9 +69,9 @@ class ExecConfig:
     #: ResNets and up/down-samplers of UNet families compute only the tiles covering an edit's
     #: masked tokens plus their kernels' halo, reading the rest from the template's cache, which
     #: then also holds their outputs and GroupNorm statistics (1.6x the bytes): "auto" (each
-    #: block where the load planner prices it cheaper than computing every token) | "off" (only
-    #: transformer blocks are masked; the default until serving pays no graph captures,
-    #: decision 0043)
+    #: block where the load planner prices it cheaper than computing every token; a step that
+    #: replays a bucket graph computes them densely in it, decision 0054) | "off" (only
+    #: transformer blocks are masked; the default: the cache is 1.63x larger, decision 0043)
     sparse_convs: str = _switch("off", "INSTGENIE_SPARSE_CONVS", SPARSE_CONVS)
     #: Flux families: a template's cache holds every block's keys and values of its image tokens
     #: instead of the block's output, and a masked block projects only its masked tokens (the
