@@ -201,18 +201,19 @@ class MaskedExecutor:
         bucketed (ineligible, or no graph of its bucket; the caller runs it eagerly)."""
         graphs = self.graphs
         graphs.buckets.release_dead()
-        if self.convs is not None and ctx.reads_cache:
+        if (not plan.may_graph or not ctx.reads_cache or loras is not None
+                or self._use_loader(ctx.requests)):  # fmt: skip
+            return None  # v1: LoRA, streamed rows
+        dense = frozenset()
+        if self.convs is not None:
             # sparse convs: a bucket's graph computes the conv blocks densely. Their tile
             # operations have no fixed shape to capture, and a graph of dense convs is faster
             # than an eager sparse step at the batch sizes that get buckets (decision 0054);
             # larger batches, where the tiles pay, run sparse and eagerly
             ctx = self.context(batch, plan, dense_convs=True)
-        if not plan.may_graph or not graphs.eligible(ctx, dtype, self.block_order):
-            return None
-        dense = frozenset(self.convs.blocks) if self.convs is not None else frozenset()
-        if (not ctx.reads_cache or ctx.compute_all - dense
-                or loras is not None or self._use_loader(ctx.requests)):  # fmt: skip
-            return None  # v1: the planner's compute-all sets, LoRA, streamed rows
+            dense = frozenset(self.convs.blocks)
+        if ctx.compute_all - dense or not graphs.eligible(ctx, dtype, self.block_order):
+            return None  # v1: the planner's compute-all sets
         if any(r.handle is not None and not same_device(r.handle.device, self.device)
                and getattr(r.handle, "window", None) is None for r in ctx.requests):  # fmt: skip
             return None  # host rows read in place ("naive" loading): their pins end with the
