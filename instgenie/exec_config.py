@@ -70,7 +70,8 @@ class ExecConfig:
     #: masked tokens plus their kernels' halo, reading the rest from the template's cache, which
     #: then also holds their outputs and GroupNorm statistics (1.6x the bytes): "auto" (each
     #: block where the load planner prices it cheaper than computing every token; a step that
-    #: replays a bucket graph computes them densely in it, decision 0054) | "off" (only
+    #: replays a bucket graph computes them on whole maps in it, with the template's
+    #: statistics, and keeps the tiles' values, decision 0054) | "off" (only
     #: transformer blocks are masked; the default: the cache is 1.63x larger, decision 0043)
     sparse_convs: str = _switch("off", "INSTGENIE_SPARSE_CONVS", SPARSE_CONVS)
     #: Flux families: a template's cache holds every block's keys and values of its image tokens

@@ -229,6 +229,7 @@ def _clone_tokens(ts: TokenSet) -> TokenSet:
         max_q=ts.max_q,
         num_rows=ts.num_rows,
         scatter_idx=None if ts.scatter_idx is None else ts.scatter_idx.clone(),
+        full_rows=None if ts.full_rows is None else ts.full_rows.clone(),
     )
 
 
@@ -242,3 +243,5 @@ def _copy_tokens(static: TokenSet, ts: TokenSet) -> None:
     static.cu_k.copy_(ts.cu_k)
     assert static.scatter_idx is not None and ts.scatter_idx is not None
     static.scatter_idx.copy_(ts.scatter_idx)
+    assert static.full_rows is not None and ts.full_rows is not None
+    static.full_rows.copy_(ts.full_rows)

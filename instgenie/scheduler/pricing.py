@@ -188,8 +188,9 @@ def step_costs(spec: CostSpec, pixels: int, works: Sequence[RequestWork]) -> Blo
         # = batch_flops(d, L, rows' masked tokens, t): a sum of per-row terms
         full = _compute_ms(spec, d, "full", 2 * rows * row_macs(d, L, L, t))
         cached = full
-        # a bucketed step's conv blocks compute every token inside its graph (the executor's
-        # rule: engine/masked/executor.py _run_bucketed); the other steps' compute their tiles
+        # a bucketed step's conv blocks compute whole maps inside its graph (the executor's
+        # rule: engine/masked/executor.py _run_bucketed, conv_blocks._map_forward), whatever the
+        # plan says for them; the other steps' compute their tiles
         if reads and not (bucket is not None and d.kind in CONV_KINDS):
             flops = 2 * sum(k * row_macs(d, L, n, t) for n, k in counts.items())
             cached = _compute_ms(spec, d, "cached", flops)

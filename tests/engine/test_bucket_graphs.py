@@ -293,25 +293,59 @@ def _count_tiles(monkeypatch) -> list[int]:
     return calls
 
 
-def test_a_bucketed_step_computes_sparse_convs_densely(monkeypatch) -> None:
-    """With sparse convs, a step that takes a bucket runs its conv blocks densely inside the
-    graph (their tiles have no fixed shape): the edits equal attention-only masking
-    (sparse_convs "off") on the plain path, and no tile is computed."""
-    off, on = _convs_pipe("off"), _convs_pipe("auto")
-    assert on.family.masked.convs is not None
-    reqs = [r for r in _requests(off) if r.uid in ("a", "d")]  # two edits, staggered
-    off.family.masked.graphs.mode = "off"
-    plain = _run_staggered(off, reqs)
+def test_a_bucketed_step_computes_the_tiles_values_on_whole_maps(monkeypatch) -> None:
+    """With sparse convs, a step that takes a bucket runs each conv block on whole maps inside
+    the graph (tiles have no fixed shape), normalised with the template's statistics, and keeps
+    the masked tokens: staggered joins and leaves (templates, a full-path row, a no-CFG row
+    mixed) equal the eager tiles of the plain path, and only the step of all five (no bucket)
+    computes tiles."""
+    on = _convs_pipe("auto")
+    convs = on.family.masked.convs
+    assert convs is not None
+    reqs = _requests(on)  # (captures its templates)
+    on.family.masked.graphs.mode = "off"
+    tiles = _count_tiles(monkeypatch)
+    plain = _run_staggered(on, reqs)
+    assert tiles
     graphs = _bucketed(on)
-    edits = [r for r in _requests(on) if r.uid in ("a", "d")]  # (captures its templates)
-    eager = graphs.counters["eager"]
-    calls = _count_tiles(monkeypatch)
-    bucketed = _run_staggered(on, edits)
-    assert not calls
-    assert graphs.counters["warmup"] == STEPS + 1 and graphs.counters["eager"] == eager
-    assert on.family.masked.last_context.compute_all >= set(on.family.masked.convs.blocks)
+    tiles.clear()
+    bucketed = _run_staggered(on, reqs)
+    assert graphs.counters["eager"] == 1 and graphs.counters["warmup"] >= len(reqs) + 1
+    assert len(tiles) == len(convs.blocks)  # the eager step's
+    ctx = on.family.masked.last_context
+    assert not ctx.compute_all & set(convs.blocks) and set(ctx.masked_blocks) >= set(convs.blocks)
     for a, b in zip(plain, bucketed, strict=True):
         assert _close(b, a)
+
+
+def test_an_edit_does_not_depend_on_its_batch_mates_with_sparse_convs(monkeypatch) -> None:
+    """An edit alone takes a bucket (whole maps in the graph); with four batch-mates the step has
+    no bucket and computes tiles eagerly. Its result is the same; so is a bucketed step whose
+    plan says "compute all" for the conv blocks (a bucket prices them the same either way)."""
+    on = _convs_pipe("auto")
+    key = _template(on, 1)
+    graphs = _bucketed(on)
+    boxes = [(0.1 * i, 0.1, 0.1 * i + 0.25, 0.35) for i in range(buckets.MAX_REQUESTS + 1)]
+    edits = [_edit(f"e{i}", key, box, 10 + i) for i, box in enumerate(boxes)]
+    tiles = _count_tiles(monkeypatch)
+
+    def run(reqs, compute_all=frozenset()):
+        from instgenie.scheduler.step import StepPlan, members_of
+
+        states = [on.preprocess(r) for r in reqs]
+        for i in range(STEPS):
+            plan = StepPlan(index=i, members=members_of(states), compute_all=compute_all)
+            on.denoise_step(states, plan)
+        return states[0].latents
+
+    alone = run(edits[:1])
+    assert not tiles and graphs.counters["eager"] == 0
+    graphs.warming = False  # serving: no bucket for five requests
+    together = run(edits)
+    assert tiles and graphs.counters["eager"] == STEPS
+    assert _close(together, alone)
+    told = run(edits[:1], frozenset(on.family.masked.convs.blocks))
+    assert graphs.counters["eager"] == STEPS and _close(told, alone)
 
 
 def test_a_step_without_a_bucket_still_computes_sparse_tiles(monkeypatch) -> None:
@@ -332,7 +366,7 @@ def test_a_step_without_a_bucket_still_computes_sparse_tiles(monkeypatch) -> Non
 
 def test_the_warm_up_makes_buckets_with_sparse_convs() -> None:
     """With sparse convs on, the warm-up still makes the buckets serving replays (their conv
-    blocks dense), so a served edit that fits one never runs its small batch eagerly."""
+    blocks on whole maps), so a served edit that fits one never runs its small batch eagerly."""
     on = _convs_pipe("auto")
     graphs = _bucketed(on, warming=False)
     report = warmup.warm_up(on, max_batch=1)

@@ -177,11 +177,14 @@ class StepContext:
 
     def read_slots(self, block_ids: list[int]) -> list[int]:
         """The cache slots a step of `block_ids` reads: each masked block's own (its output, or
-        a K/V block's keys) and a K/V block's value slot."""
+        a K/V block's keys), a K/V block's value slot, and the statistics pseudo-block when a
+        sparse ResNet is masked."""
         slots = []
         for b in block_ids:
             if self.is_masked(b):
                 slots += [b, self.kv.values[b]] if self.is_kv(b) else [b]
+        if self.convs is not None and any(self.is_masked(b) for b in self.convs.stats):
+            slots.append(self.convs.stats_block)  # the template's GroupNorm statistics
         return slots
 
     def tokens(self, L: int) -> TokenSet:
@@ -207,8 +210,9 @@ class StepContext:
                 rows.append(torch.full((own.numel(),), r, dtype=torch.int64))
                 counts.append(own.numel())
         capacity = None if self.pad_to is None else self.pad_to.get(L)
-        scatter = None
+        scatter = full = None
         if capacity is not None:
+            full = torch.tensor([n == L for n in counts], dtype=torch.bool)  # before the pads
             scatter = _pad(idx, rows, counts, capacity, L)
         cu = torch.zeros(self.num_rows + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
@@ -225,6 +229,7 @@ class StepContext:
             max_q=L if capacity is not None else (max(counts) if counts else 0),
             num_rows=self.num_rows,
             scatter_idx=None if scatter is None else torch.cat(scatter).to(dev, non_blocking=True),
+            full_rows=None if full is None else full.to(dev, non_blocking=True),
         )
 
     def prepare_tokens(self) -> None:
@@ -234,7 +239,8 @@ class StepContext:
         made by device ops."""
         for L in sorted({L for r in self.requests if r.handle is not None for L in r.token_index}):
             self.tokens(L)
-        if self.convs is not None and self.reads_cache:
+        if self.convs is not None and self.reads_cache and self.pad_to is None:
+            # (padded: conv blocks compute whole maps and scatter by the token sets above)
             for kind, level in set(self.convs.blocks.values()):
                 hw = (self.latent_hw[0] >> level, self.latent_hw[1] >> level)
                 self.dense_rows(hw[0] * hw[1])
@@ -279,6 +285,13 @@ class StepContext:
                     if not self._dense(req, L) for j in range(req.num_rows)]  # fmt: skip
             ts = self._joint[key] = build_tiles(kind, out_hw, rows).to(self.device)
         return ts
+
+    def ones(self, n: int) -> torch.Tensor:
+        """(n,) bool, all set, on the device (built once per step)."""
+        key = ("ones", n)
+        if key not in self._joint:
+            self._joint[key] = torch.ones(n, dtype=torch.bool, device=self.device)
+        return self._joint[key]
 
     def map_buffer(
         self, block_id: int, shape: tuple[int, int, int], dtype: torch.dtype

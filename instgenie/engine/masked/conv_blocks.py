@@ -49,6 +49,29 @@ def capture_forward(kind: str):
     return forward
 
 
+def _map_forward(kind: str, block: nn.Module, ctx: StepContext, block_id: int, x: torch.Tensor,
+                 extra: Any, out_hw: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """A bucketed graph's form (the context's token sets padded): the block on whole maps,
+    whose shapes are the bucket's, then each row's tokens of the padded set scattered into the
+    cached output. Cache-reading rows are normalised with the template's statistics, rows that
+    compute every token with their own (TokenSet.full_rows), as in the tile form, so a request
+    computes the same values in a bucket as in an eager step of any batch (the tiles)."""
+    R, _, H, W = x.shape
+    ho, wo = out_hw
+    ts = ctx.tokens(ho * wo)
+    if kind == "resnet":
+        assert ts.full_rows is not None
+        stats = ctx.conv_stats(block_id, x.dtype)
+        y = sparse_convs.resnet_map(block, x, extra, stats, ts.full_rows, ctx.ones(R * H * W))
+    else:
+        y = type(block).forward(block, x)  # the class's: not this hook again
+    c_out = y.shape[1]
+    y_rows = y.permute(0, 2, 3, 1).reshape(R * ho * wo, c_out)  # a view when channels_last
+    out = ctx.compose(block_id, y_rows.view(R, ho * wo, c_out), ts,
+                      y_rows.index_select(0, ts.flat_idx))  # fmt: skip
+    return out.view(R, ho, wo, c_out).permute(0, 3, 1, 2)
+
+
 def masked_forward(kind: str):
     def forward(block: nn.Module, ctx: StepContext, block_id: int, *args: Any, **kwargs: Any):
         x, extra = _args(kind, args, kwargs)
@@ -58,6 +81,8 @@ def masked_forward(kind: str):
         ]
         if kind == "up" and extra is not None and tuple(extra) != (ho, wo):
             raise NotImplementedError("sparse upsampling to an explicit output size")
+        if ctx.pad_to is not None:
+            return _map_forward(kind, block, ctx, block_id, x, extra, (ho, wo))
         c_out = block.out_channels
         out = ctx.map_buffer(block_id, (R, ho * wo, c_out), x.dtype)
         rows = out.view(R * ho * wo, c_out)

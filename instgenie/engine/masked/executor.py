@@ -164,7 +164,7 @@ class MaskedExecutor:
                 out = self._run_bucketed(batch, plan, ctx, dtype, loras, fn, args, kwargs)
                 if out is not None:
                     return out
-                self.last_context = ctx  # (_run_bucketed may have made a dense-convs one)
+                self.last_context = ctx  # (_run_bucketed may have made a conv-maps one)
                 self.graphs.buckets.release()  # the last binding's sources may go
             elif plan.may_graph and self.graphs.eligible(ctx, dtype, self.block_order):
                 # the LoraBatch itself: a graph reads its tensors, so it lives as long as the graph.
@@ -206,12 +206,14 @@ class MaskedExecutor:
             return None  # v1: LoRA, streamed rows
         dense = frozenset()
         if self.convs is not None:
-            # sparse convs: a bucket's graph computes the conv blocks densely. Their tile
-            # operations have no fixed shape to capture, and a graph of dense convs is faster
-            # than an eager sparse step at the batch sizes that get buckets (decision 0054);
-            # larger batches, where the tiles pay, run sparse and eagerly
-            ctx = self.context(batch, plan, dense_convs=True)
+            # sparse convs: a bucket's graph computes each conv block on whole maps with the
+            # template's statistics and keeps the masked tokens (conv_blocks._map_forward):
+            # the tiles' values in shapes a graph can replay (decision 0054). Larger batches,
+            # where the tiles pay, run them eagerly. A float8 cache's conv blocks compute all
+            # (no statistics) in either form
             dense = frozenset(self.convs.blocks)
+            if ctx.compute_all & dense and not any(_fp8(s) for s in batch):
+                ctx = self.context(batch, plan, conv_maps=True)
         if ctx.compute_all - dense or not graphs.eligible(ctx, dtype, self.block_order):
             return None  # v1: the planner's compute-all sets
         if any(r.handle is not None and not same_device(r.handle.device, self.device)
@@ -321,11 +323,12 @@ class MaskedExecutor:
         return "+".join(n for n, on in (("convs", self.convs), ("kv", self.kv)) if on is not None)
 
     def context(
-        self, batch: list[RequestState], plan: StepPlan, dense_convs: bool = False
+        self, batch: list[RequestState], plan: StepPlan, conv_maps: bool = False
     ) -> StepContext | None:
         """The step's context (None: no request reads or records a cache and nothing is timed:
-        the blocks run their stock forward); `dense_convs`: sparse conv blocks compute every
-        token (a bucketed step's form: _run_bucketed)."""
+        the blocks run their stock forward); `conv_maps`: sparse conv blocks read the cache
+        whatever the plan says (a bucketed step's form, _run_bucketed: its conv blocks compute
+        whole maps either way, at the same price, pricing.step_costs)."""
         if not plan.timed and not any(
             s.cache_handle is not None or s.writer is not None for s in batch
         ):
@@ -345,9 +348,11 @@ class MaskedExecutor:
             )
             start += s.num_rows
         compute_all = plan.compute_all
-        if self.convs is not None and (dense_convs or any(_fp8(s) for s in batch)):
+        if self.convs is not None and any(_fp8(s) for s in batch):
             # a float8 cache cannot hold GroupNorm statistics (ConvLayout): convs compute all
             compute_all = compute_all | frozenset(self.convs.blocks)
+        elif self.convs is not None and conv_maps:
+            compute_all = compute_all - frozenset(self.convs.blocks)
         if self.kv is not None:  # a K/V block's unmasked inputs are not cached (kv_layout.py)
             compute_all = frozenset(b for b in compute_all if b not in self.kv)
         ctx = StepContext(rows, self.device, compute_all, self.attention_backend,

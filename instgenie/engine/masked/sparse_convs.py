@@ -155,6 +155,46 @@ def resnet_dense(
     return y, torch.cat([s1.flatten(1), s2.flatten(1)], dim=1)
 
 
+# ---- whole maps (bucketed graphs) ------------------------------------------------------------
+def resnet_map(
+    block: ResnetBlock2D, x: torch.Tensor, temb: torch.Tensor | None, stats: torch.Tensor,
+    own: torch.Tensor, valid: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The ResNet on whole maps with fixed shapes (a bucketed graph's form of the tiles): each
+    row is normalised with `stats` (R, width), the template's, or, where `own` (R,) bool is
+    set, with its own (resnet_dense's values). Every output token is the function a tile
+    computes for it (same inputs, same statistics, zero padding at the border), so the tokens
+    a caller keeps equal the tiles' up to the convolutions' rounding. `valid`: (R * H * W,)
+    bool, all set. (R, C_out, H, W), channels_last for a channels_last x."""
+    R, C, H, W = x.shape
+    g1, g2 = block.norm1.num_groups, block.norm2.num_groups
+    stats = stats.view(R, -1)
+    pick = own.view(R, 1, 1)
+    s1 = stats[:, : 2 * g1].view(R, 2, g1)
+    s1 = torch.where(pick, group_stats(x, g1, block.norm1.eps).to(s1.dtype), s1)
+    tile_row = torch.arange(R, device=x.device)
+    tn = _tile_norm(block.norm1, x)
+    rows = x.permute(0, 2, 3, 1).reshape(R * H * W, C)  # a view for a channels_last map
+    h = tn(rows, None, valid, tile_row, H * W, *folded_norm(block.norm1, s1),
+           _silu_after(block.norm1, block.nonlinearity))  # fmt: skip
+    h = block.conv1(h.view(R, H, W, C).permute(0, 3, 1, 2))  # its own zero padding
+    add = None
+    if block.time_emb_proj is not None and temb is not None:
+        if not block.skip_time_act:
+            temb = block.nonlinearity(temb)
+        add = block.time_emb_proj(temb)  # (R, C'): added before norm2, folded into its shift
+    c2 = h.shape[1]
+    s2 = stats[:, 2 * g1 :].view(R, 2, g2)
+    h_in = h if add is None else h + add[:, :, None, None].to(h.dtype)
+    s2 = torch.where(pick, group_stats(h_in, g2, block.norm2.eps).to(s2.dtype), s2)
+    h_rows = h.permute(0, 2, 3, 1).reshape(R * H * W, c2)
+    h = tn(h_rows, None, valid, tile_row, H * W, *folded_norm(block.norm2, s2, add),
+           _silu_after(block.norm2, block.nonlinearity))  # fmt: skip
+    h = block.conv2(block.dropout(h.view(R, H, W, c2).permute(0, 3, 1, 2)))
+    shortcut = x if block.conv_shortcut is None else block.conv_shortcut(x)
+    return (shortcut + h) / block.output_scale_factor
+
+
 # ---- tiles -----------------------------------------------------------------------------------
 def gather_windows(x: torch.Tensor, ts: TileSet) -> torch.Tensor:
     """(n, C, a, a) input windows of every active tile, channels_last memory."""
