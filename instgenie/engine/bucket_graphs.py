@@ -198,8 +198,11 @@ class BucketGraphs:
 
     @staticmethod
     def _use(entry: _BucketEntry, ctx: StepContext) -> None:
-        """Point `ctx` at the entry's static sets and tables (joint sets rebuilt from them)."""
-        ctx._tokens, ctx._joint = dict(entry.tokens), {}
+        """Point `ctx` at the entry's static sets and tables; what the step built from its own
+        sets (joint sets, the template's decoded statistics) is rebuilt from them, so a capture
+        that follows an eager run of the same context records the build, not its result."""
+        ctx.forget_built()
+        ctx._tokens = dict(entry.tokens)
         ctx.bound, ctx.step_index = entry.bound, None
         ctx.masked_blocks = []
 

@@ -371,3 +371,23 @@ def test_the_warm_up_makes_buckets_with_sparse_convs() -> None:
     graphs = _bucketed(on, warming=False)
     report = warmup.warm_up(on, max_batch=1)
     assert report is not None and len(graphs.buckets.entries) >= 1
+
+
+def test_a_capture_after_the_eager_run_rebuilds_the_steps_derived_tensors() -> None:
+    """CUDA captures a bucket right after running its graph form eagerly on the same context.
+    What that run built from the step's own sets (the template's decoded statistics, joint
+    sets) must be rebuilt inside the capture, or the graph would replay that one step's
+    statistics for every later step (tests/engine/test_gpu_bucket_graphs.py replays it)."""
+    from instgenie.engine.bucket_graphs import BucketGraphs
+
+    on = _convs_pipe("auto")
+    key = _template(on, 1)
+    graphs = _bucketed(on)
+    state = on.preprocess(_edit("e", key, (0.1, 0.1, 0.4, 0.5), 3))
+    on.denoise_step([state])
+    ctx = on.family.masked.last_context
+    assert ctx._stats_in is not None and ctx._joint  # built by the step
+    (entry,) = graphs.buckets.entries.values()
+    BucketGraphs._use(entry, ctx)
+    assert ctx._stats_in is None and not ctx._joint
+    assert all(ctx._tokens[L] is entry.tokens[L] for L in entry.tokens)

@@ -26,8 +26,8 @@ def test_bucket_graphs_replay_any_composition_of_their_bucket(family: str, setti
     later compositions of their bucket — A, B (another template and mask of the same size),
     A again, then a staggered pair — without capturing, bit-identical to the warming run and
     within rounding of the eager plain path (with sparse convs, "auto", a bucket computes the
-    conv blocks densely while the plain path computes their tiles: that pair is compared on
-    CPU, against attention-only masking, tests/engine/test_bucket_graphs.py)."""
+    conv blocks on whole maps where the plain path computes their tiles: the same values up to
+    the convolutions' rounding)."""
     from instgenie.engine.graphs import StepGraphs
     from instgenie.worker import warmup
     from tests.engine.test_graphs import _run_staggered
@@ -72,8 +72,10 @@ def test_bucket_graphs_replay_any_composition_of_their_bucket(family: str, setti
     assert counters["replay"] - captured["replay"] >= 4 * 6, counters
     for e, w, s, g in zip(eager, warm, served, again, strict=True):
         assert torch.equal(w, s) and torch.equal(s, g)
-        if setting != "auto":
-            assert float((e - s).abs().max()) <= 1e-5 * float(e.abs().max())
+        # sparse convs: the bucket's whole maps against the plain path's tiles (convolutions of
+        # other shapes: cuDNN may round them differently)
+        tol = 1e-5 if setting != "auto" else 1e-3
+        assert float((e - s).abs().max()) <= tol * float(e.abs().max()), (e - s).abs().max()
     assert report is not None and report.graphs >= len(graphs.buckets.entries) > 0
     assert (
         final["capture"] == after_warm_up["capture"] and final["replay"] > after_warm_up["replay"]
