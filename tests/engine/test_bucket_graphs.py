@@ -8,6 +8,7 @@ on CPU (replay itself: tests/engine/test_gpu_bucket_graphs.py, marked gpu)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 
@@ -19,6 +20,7 @@ from instgenie.engine.masked import bound_rows, context
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.scheduler import buckets
 from instgenie.worker import warmup
+from tests.conftest import png_bytes
 from tests.engine.test_graphs import STEPS, _edit, _pipe, _run_staggered, _template
 
 REQS = (
@@ -321,7 +323,8 @@ def test_a_bucketed_step_computes_the_tiles_values_on_whole_maps(monkeypatch) ->
 def test_an_edit_does_not_depend_on_its_batch_mates_with_sparse_convs(monkeypatch) -> None:
     """An edit alone takes a bucket (whole maps in the graph); with four batch-mates the step has
     no bucket and computes tiles eagerly. Its result is the same; so is a bucketed step whose
-    plan says "compute all" for the conv blocks (a bucket prices them the same either way)."""
+    plan says "compute all" for the conv blocks (a bucket prices them the same either way). (An
+    eager plan's compute-all conv blocks still run the stock forward: decision 0054.)"""
     on = _convs_pipe("auto")
     key = _template(on, 1)
     graphs = _bucketed(on)
@@ -391,3 +394,44 @@ def test_a_capture_after_the_eager_run_rebuilds_the_steps_derived_tensors() -> N
     BucketGraphs._use(entry, ctx)
     assert ctx._stats_in is None and not ctx._joint
     assert all(ctx._tokens[L] is entry.tokens[L] for L in entry.tokens)
+
+
+def test_a_mask_covering_a_coarse_grid_uses_its_own_statistics_in_a_bucket(monkeypatch) -> None:
+    """A dot every 16 px touches every token of the coarsest grid (16-px cells) and a quarter of
+    the finest (8 px): that cache-reading row computes the coarse conv blocks with its own
+    statistics (TokenSet.full_rows; the tiles' dense_rows), in a bucket (with two small edits,
+    so the batch fits a rung) as in eager tiles."""
+    from PIL import Image, ImageDraw
+
+    on = _convs_pipe("auto")
+    key = _template(on, 1)
+    dots = Image.new("L", (128, 128), 0)
+    for y in range(4, 128, 16):
+        for x in range(4, 128, 16):
+            ImageDraw.Draw(dots).rectangle([x, y, x + 1, y + 1], fill=255)
+    edits = [
+        dataclasses.replace(_edit("dots", key, (0, 0, 1, 1), 5), mask=png_bytes(dots)),
+        _edit("s1", key, (0.1, 0.1, 0.3, 0.3), 6),
+        _edit("s2", key, (0.6, 0.5, 0.8, 0.7), 7),
+    ]
+    probe = on.preprocess(edits[0])
+    coarse = min(probe.token_index)
+    assert probe.token_index[coarse].numel() == coarse  # the whole coarse grid
+    assert max(n.numel() / L for L, n in probe.token_index.items() if L != coarse) < 0.5
+
+    def run() -> list[torch.Tensor]:
+        states = [on.preprocess(r) for r in edits]
+        while not all(s.is_done for s in states):
+            on.denoise_step(states)
+        return [s.latents for s in states]
+
+    on.family.masked.graphs.mode = "off"
+    tiles = run()
+    graphs = _bucketed(on)
+    bucketed = run()
+    assert graphs.counters["warmup"] == STEPS and graphs.counters["eager"] == 0
+    full_rows = on.family.masked.last_context.tokens(coarse).full_rows
+    assert full_rows is not None and full_rows.tolist()[:2] == [True, True]  # its CFG rows
+    assert not any(full_rows.tolist()[2:])
+    for a, b in zip(tiles, bucketed, strict=True):
+        assert _close(b, a)
