@@ -52,17 +52,22 @@ def conv_tile(L: int) -> int:
 
 def conv_row_macs(d: BlockSpec, L: int, n: int) -> int:
     """Multiply-adds of a conv block's row computing n of its L output tokens (n = L: the
-    stock forward on the whole map; else tiles covering the n tokens plus their halo)."""
+    stock forward on the whole map; else tiles covering the n tokens plus their halo, or the
+    whole map where that is no dearer: the executor then computes the map, conv_blocks.py)."""
     C, Ci = d.channels, d.in_channels
+
+    def macs(inner: int, outer: int) -> int:
+        if d.kind == "resnet":
+            return 9 * outer * Ci * C + 9 * inner * C * C + (inner * Ci * C if Ci != C else 0)
+        return 9 * inner * Ci * C  # samplers
+
+    full = macs(L, L)  # every position once: zero padding, no halo
     if n >= L:
-        inner, outer = L, L  # every position once: zero padding, no halo
-    else:
-        t = conv_tile(L)
-        inner = min(L, round(TILE_WASTE * n))  # tile tokens
-        outer = round(inner * ((t + 2) / t) ** 2)  # resnet conv1: the tiles plus a 1-wide halo
-    if d.kind == "resnet":
-        return 9 * outer * Ci * C + 9 * inner * C * C + (inner * Ci * C if Ci != C else 0)
-    return 9 * (L if n >= L else min(L, round(TILE_WASTE * n))) * Ci * C  # samplers
+        return full
+    t = conv_tile(L)
+    inner = min(L, round(TILE_WASTE * n))  # tile tokens
+    outer = round(inner * ((t + 2) / t) ** 2)  # resnet conv1: the tiles plus a 1-wide halo
+    return min(full, macs(inner, outer))
 
 
 #: block kinds whose keys and values a K/V cache may hold (engine/masked/kv_layout.py)

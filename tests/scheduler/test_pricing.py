@@ -110,6 +110,33 @@ def test_bucket_graphs_price_the_pads_of_the_steps_bucket() -> None:
         )
 
 
+def test_a_conv_block_is_never_priced_above_its_whole_map() -> None:
+    """Where an edit's tiles (with their halo) would cost more than the whole map, the executor
+    computes the whole map (engine/masked/conv_blocks.py, the same values): pricing takes the
+    cheaper, so with free loads the planner never makes a conv block "compute all" (which would
+    run the stock forward with the edit's own statistics, other values)."""
+    from instgenie.scheduler.planner import plan_step
+    from instgenie.scheduler.pricing import TILE_WASTE, conv_row_macs
+
+    for stride, ci in ((16, 320), (64, 640)):  # 1024 and 64 tokens: 8x8 and 4x4 tiles
+        d = BlockSpec(block_id=0, kind="resnet", channels=320, ff_macs=0, stride=stride,
+                      in_channels=ci)  # fmt: skip
+        L = PX // stride**2
+        full = conv_row_macs(d, L, L)
+        assert all(conv_row_macs(d, L, n) <= full for n in range(1, L + 1))
+        n = round(0.7 * L)  # the tiles alone: 0.98 L tokens, 1.5-2.2 L with conv1's halo
+        t = 8 if L >= 1024 else 4
+        inner = round(TILE_WASTE * n)
+        tiles = 9 * round(inner * ((t + 2) / t) ** 2) * ci * 320 + 9 * inner * 320 * 320
+        tiles += inner * ci * 320 if ci != 320 else 0
+        assert tiles > full == conv_row_macs(d, L, n)
+    conv = BlockSpec(block_id=4, kind="resnet", channels=320, ff_macs=0, stride=64,
+                     in_channels=320)  # fmt: skip
+    convs = dataclasses.replace(SPEC, blocks=[*BLOCKS, conv])
+    big = [RequestWork(2, ((16, 700), (32, 200), (64, 50)))] * 5  # eager: more than 4 requests
+    assert 4 not in plan_step(step_costs(convs, PX, big)).compute_all
+
+
 def _flux_spec(kv: bool) -> CostSpec:
     """Flux.1's 19 dual and 38 single blocks (C 3072, feed-forward 4x, single MLP 4x); with
     `kv`, every block but the first is a K/V block (kv_layout.py)."""

@@ -210,9 +210,9 @@ class StepContext:
                 rows.append(torch.full((own.numel(),), r, dtype=torch.int64))
                 counts.append(own.numel())
         capacity = None if self.pad_to is None else self.pad_to.get(L)
-        scatter = full = None
+        scatter = None
+        full = torch.tensor([n == L for n in counts], dtype=torch.bool)  # before any pads
         if capacity is not None:
-            full = torch.tensor([n == L for n in counts], dtype=torch.bool)  # before the pads
             scatter = _pad(idx, rows, counts, capacity, L)
         cu = torch.zeros(self.num_rows + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
@@ -229,7 +229,7 @@ class StepContext:
             max_q=L if capacity is not None else (max(counts) if counts else 0),
             num_rows=self.num_rows,
             scatter_idx=None if scatter is None else torch.cat(scatter).to(dev, non_blocking=True),
-            full_rows=None if full is None else full.to(dev, non_blocking=True),
+            full_rows=full.to(dev, non_blocking=True),
         )
 
     def prepare_tokens(self) -> None:

@@ -51,25 +51,44 @@ def capture_forward(kind: str):
 
 def _map_forward(kind: str, block: nn.Module, ctx: StepContext, block_id: int, x: torch.Tensor,
                  extra: Any, out_hw: tuple[int, int]) -> torch.Tensor:  # fmt: skip
-    """A bucketed graph's form (the context's token sets padded): the block on whole maps,
-    whose shapes are the bucket's, then each row's tokens of the padded set scattered into the
-    cached output. Cache-reading rows are normalised with the template's statistics, rows that
-    compute every token with their own (TokenSet.full_rows), as in the tile form, so a request
-    computes the same values in a bucket as in an eager step of any batch (the tiles)."""
+    """The tiles' values computed on whole maps: the block on every row's whole map, then each
+    row's tokens of the token set scattered into the cached output. Cache-reading rows are
+    normalised with the template's statistics, rows that compute every token with their own
+    (TokenSet.full_rows), as in the tile form, so a request computes the same values whichever
+    form its step takes. A bucketed graph's form (padded token sets: fixed shapes), and an eager
+    step's where its tiles would cover the maps anyway (_maps_pay)."""
     R, _, H, W = x.shape
     ho, wo = out_hw
-    ts = ctx.tokens(ho * wo)
+    L = ho * wo
+    ts = ctx.tokens(L)
+    assert ts.full_rows is not None
     if kind == "resnet":
-        assert ts.full_rows is not None
         stats = ctx.conv_stats(block_id, x.dtype)
-        y = sparse_convs.resnet_map(block, x, extra, stats, ts.full_rows, ctx.ones(R * H * W))
+        y, own = sparse_convs.resnet_map(block, x, extra, stats, ts.full_rows, ctx.ones(R * H * W))
+        if ctx.capturing:
+            ctx.put_stats(block_id, own)  # the capturing rows' own (they compute every token)
     else:
         y = type(block).forward(block, x)  # the class's: not this hook again
     c_out = y.shape[1]
-    y_rows = y.permute(0, 2, 3, 1).reshape(R * ho * wo, c_out)  # a view when channels_last
-    out = ctx.compose(block_id, y_rows.view(R, ho * wo, c_out), ts,
-                      y_rows.index_select(0, ts.flat_idx))  # fmt: skip
+    y_rows = y.permute(0, 2, 3, 1).reshape(R * L, c_out)  # a view when channels_last
+    fresh = y_rows.index_select(0, ts.flat_idx)
+    if ts.scatter_idx is not None:  # padded (a bucket)
+        out = ctx.compose(block_id, y_rows.view(R, L, c_out), ts, fresh)
+    else:  # a fresh map, never a loader's staging buffer (skip connections read it later)
+        out = ctx.map_buffer(block_id, (R, L, c_out), y.dtype)
+        out.view(R * L, c_out).index_copy_(0, ts.flat_idx, fresh.to(out.dtype))
     return out.view(R, ho, wo, c_out).permute(0, 3, 1, 2)
+
+
+def _maps_pay(ctx: StepContext, kind: str, out_hw: tuple[int, int], R: int) -> bool:
+    """Whether an eager step computes whole maps rather than tiles: its tiles' conv1 outputs,
+    (t + 2)^2 positions each, would number at least the sparse rows' whole maps (coarse grids,
+    large masks). Both forms give the same values; pricing.conv_row_macs prices the cheaper."""
+    L = out_hw[0] * out_hw[1]
+    dense = ctx.dense_rows(L)
+    sparse_rows = R - (0 if dense is None else int(dense.numel()))
+    ts = ctx.tiles(kind, out_hw)
+    return ts.n > 0 and ts.n * (ts.t + 2) ** 2 >= sparse_rows * L
 
 
 def masked_forward(kind: str):
@@ -81,7 +100,7 @@ def masked_forward(kind: str):
         ]
         if kind == "up" and extra is not None and tuple(extra) != (ho, wo):
             raise NotImplementedError("sparse upsampling to an explicit output size")
-        if ctx.pad_to is not None:
+        if ctx.pad_to is not None or _maps_pay(ctx, kind, (ho, wo), R):
             return _map_forward(kind, block, ctx, block_id, x, extra, (ho, wo))
         c_out = block.out_channels
         out = ctx.map_buffer(block_id, (R, ho * wo, c_out), x.dtype)

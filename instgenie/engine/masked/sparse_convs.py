@@ -159,19 +159,21 @@ def resnet_dense(
 def resnet_map(
     block: ResnetBlock2D, x: torch.Tensor, temb: torch.Tensor | None, stats: torch.Tensor,
     own: torch.Tensor, valid: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """The ResNet on whole maps with fixed shapes (a bucketed graph's form of the tiles): each
-    row is normalised with `stats` (R, width), the template's, or, where `own` (R,) bool is
-    set, with its own (resnet_dense's values). Every output token is the function a tile
-    computes for it (same inputs, same statistics, zero padding at the border), so the tokens
-    a caller keeps equal the tiles' up to the convolutions' rounding. `valid`: (R * H * W,)
-    bool, all set. (R, C_out, H, W), channels_last for a channels_last x."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The ResNet on whole maps (the tiles' values in fixed shapes): each row is normalised
+    with `stats` (R, width), the template's, or, where `own` (R,) bool is set, with its own
+    (resnet_dense's values). Every output token is the function a tile computes for it (same
+    inputs, same statistics, zero padding at the border), so the tokens a caller keeps equal the
+    tiles' up to the convolutions' rounding. `valid`: (R * H * W,) bool, all set. Returns
+    (R, C_out, H, W), channels_last for a channels_last x, and every row's own statistics
+    (R, width) as resnet_dense gives them (captures record them)."""
     R, C, H, W = x.shape
     g1, g2 = block.norm1.num_groups, block.norm2.num_groups
     stats = stats.view(R, -1)
     pick = own.view(R, 1, 1)
     s1 = stats[:, : 2 * g1].view(R, 2, g1)
-    s1 = torch.where(pick, group_stats(x, g1, block.norm1.eps).to(s1.dtype), s1)
+    own1 = group_stats(x, g1, block.norm1.eps)
+    s1 = torch.where(pick, own1.to(s1.dtype), s1)
     tile_row = torch.arange(R, device=x.device)
     tn = _tile_norm(block.norm1, x)
     rows = x.permute(0, 2, 3, 1).reshape(R * H * W, C)  # a view for a channels_last map
@@ -186,13 +188,15 @@ def resnet_map(
     c2 = h.shape[1]
     s2 = stats[:, 2 * g1 :].view(R, 2, g2)
     h_in = h if add is None else h + add[:, :, None, None].to(h.dtype)
-    s2 = torch.where(pick, group_stats(h_in, g2, block.norm2.eps).to(s2.dtype), s2)
+    own2 = group_stats(h_in, g2, block.norm2.eps)
+    s2 = torch.where(pick, own2.to(s2.dtype), s2)
     h_rows = h.permute(0, 2, 3, 1).reshape(R * H * W, c2)
     h = tn(h_rows, None, valid, tile_row, H * W, *folded_norm(block.norm2, s2, add),
            _silu_after(block.norm2, block.nonlinearity))  # fmt: skip
     h = block.conv2(block.dropout(h.view(R, H, W, c2).permute(0, 3, 1, 2)))
     shortcut = x if block.conv_shortcut is None else block.conv_shortcut(x)
-    return (shortcut + h) / block.output_scale_factor
+    own = torch.cat([own1.flatten(1), own2.flatten(1)], dim=1)
+    return (shortcut + h) / block.output_scale_factor, own
 
 
 # ---- tiles -----------------------------------------------------------------------------------

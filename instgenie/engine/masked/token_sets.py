@@ -28,9 +28,9 @@ class TokenSet:
     #: padded to a bucket's capacity (StepContext.pad_to): (T,) int64 where each packed row's
     #: result goes, R * L (the output's trash row) for a pad; None: flat_idx (no pads)
     scatter_idx: torch.Tensor | None = None
-    #: padded sets: (R,) bool, rows that compute all L tokens (no cache, or a mask covering the
-    #: grid; pads excluded): a bucketed graph's conv blocks normalise them with their own
-    #: GroupNorm statistics (conv_blocks.py); None when not padded
+    #: (R,) bool, rows that compute all L tokens (no cache, or a mask covering the grid; pads
+    #: excluded): conv blocks on whole maps normalise them with their own GroupNorm statistics
+    #: (conv_blocks._map_forward); None only for sets built elsewhere
     full_rows: torch.Tensor | None = None
 
     @property
