@@ -53,7 +53,8 @@ def conv_tile(L: int) -> int:
 def conv_row_macs(d: BlockSpec, L: int, n: int) -> int:
     """Multiply-adds of a conv block's row computing n of its L output tokens (n = L: the
     stock forward on the whole map; else tiles covering the n tokens plus their halo, or the
-    whole map where that is no dearer: the executor then computes the map, conv_blocks.py)."""
+    whole map where that is no dearer: the executor computes whole maps where a step's tiles
+    would have as many convolution outputs, conv_blocks._maps_pay, a close rule)."""
     C, Ci = d.channels, d.in_channels
 
     def macs(inner: int, outer: int) -> int:
@@ -199,6 +200,11 @@ def step_costs(spec: CostSpec, pixels: int, works: Sequence[RequestWork]) -> Blo
         if reads and not (bucket is not None and d.kind in CONV_KINDS):
             flops = 2 * sum(k * row_macs(d, L, n, t) for n, k in counts.items())
             cached = _compute_ms(spec, d, "cached", flops)
+            if d.kind in CONV_KINDS:
+                # a masked conv block can always compute whole maps (the same values: the
+                # executor's rule, conv_blocks._maps_pay), so reading the cache never costs
+                # more than computing all, which would give other values (own statistics)
+                cached = min(cached, full)
         per_kind.append((cached, full, load))
     return BlockCosts.from_kinds(per_kind, lay.seq)
 

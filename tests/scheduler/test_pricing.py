@@ -135,6 +135,21 @@ def test_a_conv_block_is_never_priced_above_its_whole_map() -> None:
     convs = dataclasses.replace(SPEC, blocks=[*BLOCKS, conv])
     big = [RequestWork(2, ((16, 700), (32, 200), (64, 50)))] * 5  # eager: more than 4 requests
     assert 4 not in plan_step(step_costs(convs, PX, big)).compute_all
+    # a profile whose masked fit runs dearer than its full one (copies, scatters): the block
+    # still reads the cache, capped at the full compute (it can always compute the whole map)
+    from instgenie.scheduler.spec import block_class
+
+    k = block_class(conv)
+    fitted = dataclasses.replace(
+        convs,
+        compute={
+            f"{k}/cached": LinearFit(slope=3e-9, intercept=1),
+            f"{k}/full": LinearFit(slope=1e-9, intercept=0),
+        },
+    )
+    costs = step_costs(fitted, PX, big)
+    assert costs.compute_cached[4] == costs.compute_full[4]
+    assert 4 not in plan_step(costs).compute_all
 
 
 def _flux_spec(kv: bool) -> CostSpec:

@@ -81,14 +81,18 @@ def _map_forward(kind: str, block: nn.Module, ctx: StepContext, block_id: int, x
 
 
 def _maps_pay(ctx: StepContext, kind: str, out_hw: tuple[int, int], R: int) -> bool:
-    """Whether an eager step computes whole maps rather than tiles: its tiles' conv1 outputs,
-    (t + 2)^2 positions each, would number at least the sparse rows' whole maps (coarse grids,
-    large masks). Both forms give the same values; pricing.conv_row_macs prices the cheaper."""
+    """Whether an eager step computes whole maps rather than tiles: the tiles' convolution
+    outputs would number at least the sparse rows' maps' (a ResNet's conv1 on (t + 2)^2
+    positions a tile and conv2 on t^2, against 2 per map position; a sampler's t^2 against 1):
+    coarse grids, large masks. Both forms give the same values; pricing.conv_row_macs prices
+    a row at the cheaper of the two by its MACs."""
     L = out_hw[0] * out_hw[1]
     dense = ctx.dense_rows(L)
     sparse_rows = R - (0 if dense is None else int(dense.numel()))
     ts = ctx.tiles(kind, out_hw)
-    return ts.n > 0 and ts.n * (ts.t + 2) ** 2 >= sparse_rows * L
+    if kind == "resnet":
+        return ts.n > 0 and ts.n * ((ts.t + 2) ** 2 + ts.t**2) >= 2 * sparse_rows * L
+    return ts.n > 0 and ts.n * ts.t**2 >= sparse_rows * L
 
 
 def masked_forward(kind: str):
