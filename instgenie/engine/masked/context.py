@@ -288,10 +288,9 @@ class StepContext:
 
     def ones(self, n: int) -> torch.Tensor:
         """(n,) bool, all set, on the device (built once per step)."""
-        key = ("ones", n)
-        if key not in self._joint:
-            self._joint[key] = torch.ones(n, dtype=torch.bool, device=self.device)
-        return self._joint[key]
+        if ("ones", n) not in self._joint:
+            self._joint[("ones", n)] = torch.ones(n, dtype=torch.bool, device=self.device)
+        return self._joint[("ones", n)]
 
     def map_buffer(
         self, block_id: int, shape: tuple[int, int, int], dtype: torch.dtype
