@@ -96,6 +96,8 @@ class RequestNotes(Nested):  # what a request's stages learn about it (RequestSt
     #: a capture run that found no room in the node's cache tiers (every entry in use): why;
     #: the capture records nothing and its build fails, retryable ("" = it had room)
     capture_no_room: str = ""
+    #: that no room is for good (the cache is larger than every tier): not retryable
+    capture_too_large: bool = False
     cache: CacheOutcome | None = None  # an edit of a template: could it read the cache; else None
     cache_tier: Tier | None = None  # on a hit: where the cache was read from when it joined
     fallback_reason: str | None = None  # a miss: why the edit runs the full path

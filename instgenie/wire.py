@@ -30,10 +30,11 @@ import msgpack
 from instgenie.errors import InstGenIEError
 
 #: the version of the message set (instgenie/messages.py and the structs it registers)
-SCHEMA_VERSION = 12  # 6: CostSpec of scheduler.spec; 7: typed request state (notes, meta, enums);
+SCHEMA_VERSION = 13  # 6: CostSpec of scheduler.spec; 7: typed request state (notes, meta, enums);
 # 8: template residency (Stats.residency, LoopSteps.residency); 9: TemplateReady.retryable,
 # RequestNotes.capture_no_room; 10: LoRA lists (SubmitEdit, EditParams, RegisterTemplate.loras;
-# StepEntry.lora_*, RequestNotes.lora_*); 11: CostSpec.capture; 12: CostSpec.compute_margin
+# StepEntry.lora_*, RequestNotes.lora_*); 11: CostSpec.capture; 12: CostSpec.compute_margin;
+# 13: RequestNotes.capture_too_large
 MAX_MESSAGE_BYTES = 64 << 20  # default cap on one encoded message, bytes (tensors go via shm)
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry
 

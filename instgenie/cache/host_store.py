@@ -34,7 +34,7 @@ from instgenie.cache.disk import CacheMiss, check_key
 from instgenie.cache.disk_stream import StreamedHandle, StreamedTemplate
 from instgenie.cache.host_template import HostTemplate
 from instgenie.cache.hostmem import device_view, pin, unpin
-from instgenie.cache.index import CacheFull, EntryInUse
+from instgenie.cache.index import CacheFull, EntryInUse, TooLarge
 from instgenie.cache.layout import TemplateLayout
 from instgenie.cache.quant import FP8, quantize_rows
 from instgenie.cache.store import TemplateMeta
@@ -229,8 +229,9 @@ class _StreamingWriter:
         self._writer = None
         self.lost = False  # another process reserved the key first
         #: why the node's tiers had no room for it (every entry in use): it records nothing,
-        #: is never committed, and the capture run itself goes on ("" = it had room)
+        #: is never committed ("" = it had room); its capture run ends (engine/pipeline.py)
         self.no_room = ""
+        self.never = False  # no_room for good: larger than every tier (TooLarge), not "now"
 
     def _layout(self, latents: torch.Tensor) -> TemplateLayout:
         first = next(iter(self._pending.values()))
@@ -289,7 +290,7 @@ class _StreamingWriter:
                 self._pending.clear()
                 return
             except CacheFull as exc:  # never the step's failure: the edits beside it go on
-                self.no_room = str(exc)
+                self.no_room, self.never = str(exc), isinstance(exc, TooLarge)
                 self._pending.clear()
                 return
             pinned = copies == "pinned" and self.store.pin_memory and latents.is_cuda

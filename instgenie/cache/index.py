@@ -34,6 +34,11 @@ class TierDisabled(CacheFull):
     """The tier is switched off (e.g. the disk filled up)."""
 
 
+class TooLarge(CacheFull):
+    """No room ever: the entry is larger than every tier's whole capacity (a tier configured
+    off counts as 0 bytes), so no eviction and no wait can make it fit on this host."""
+
+
 class EntryInUse(Exception):
     """The entry has references (or is being built) and cannot be removed."""
 

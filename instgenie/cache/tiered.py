@@ -33,7 +33,7 @@ from instgenie.cache.disk import DEFAULT_CHUNK_BYTES, CacheMiss, DiskBusy, DiskT
 from instgenie.cache.disk_stream import DEFAULT_RING, DiskTemplateWriter, StreamedTemplate
 from instgenie.cache.dram import DramTier
 from instgenie.cache.host_template import HostTemplate, TemplateWriter
-from instgenie.cache.index import READY, CacheFull
+from instgenie.cache.index import READY, CacheFull, TooLarge
 from instgenie.cache.layout import TemplateLayout
 from instgenie.cache.shm_segment import Segment
 from instgenie.cache.staging import StagingPool
@@ -161,7 +161,8 @@ class TieredStore:
     ) -> TemplateWriter | DiskTemplateWriter:
         """A writer into a new DRAM segment, or, when DRAM cannot hold the template whole (larger
         than the tier, the tier off, or full of entries in use), straight into a disk entry.
-        ValueError if the key exists in any tier; CacheFull if neither tier can take it.
+        ValueError if the key exists in any tier; CacheFull if neither tier can take it now,
+        TooLarge if neither ever can (larger than each tier's whole capacity).
         staged: a DRAM writer copies through this process's capture stager (capture_stage.py),
         the segment's data pages backed by its threads, not here."""
         self._maybe_recover_disk(self.disk.file_nbytes(layout))  # demotions may need it
@@ -172,7 +173,27 @@ class TieredStore:
             try:
                 return DiskTemplateWriter(self, key, layout)
             except CacheFull as disk_full:
+                never = self.too_large(layout)
+                if never:
+                    raise TooLarge(never) from disk_full
                 raise CacheFull(f"{dram_full}; {disk_full}") from disk_full
+
+    def too_large(self, layout: TemplateLayout) -> str:
+        """Why a template of `layout` can never be held on this host (larger than the DRAM
+        tier's whole capacity and than the disk tier's; a tier configured off holds 0 bytes),
+        or "" when some tier could hold it once entries leave it."""
+        with self.dram.txn() as t:
+            caps = dict(t.idx.capacities)
+        if any(layout.nbytes <= caps[tier] for tier in ("dram", "disk")):  # (what reserve asks)
+            return ""
+        tiers = " and ".join(
+            f"{t} tier ({_size(caps[t]) if caps[t] else 'off'})" for t in ("dram", "disk")
+        )
+        return (
+            f"the template's cache ({_size(layout.nbytes)}) is larger than this host's {tiers}: "
+            "it can never be cached here (raise --cache-dram-bytes or --cache-disk-bytes; its "
+            "edits run the full path)"
+        )
 
     def persist(self, key: str) -> bool:
         """Copy a ready DRAM entry to disk now (blocking). False when not stored."""
@@ -457,3 +478,8 @@ class TieredStore:
         with self._lock:
             for k, v in deltas.items():
                 setattr(self.counters, k, getattr(self.counters, k) + v)
+
+
+def _size(nbytes: int) -> str:
+    """Bytes as GiB (from 1 GiB) or MiB, two decimals."""
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.2f} MiB"

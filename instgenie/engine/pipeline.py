@@ -402,7 +402,8 @@ class EditPipeline:
             if getattr(state.writer, "lost", False):  # another process captures this key
                 state.notes = replace(state.notes, capture_lost_race=True)
             if getattr(state.writer, "no_room", ""):  # the node's tiers are full of entries in use
-                state.notes = replace(state.notes, capture_no_room=state.writer.no_room)
+                state.notes = replace(state.notes, capture_no_room=state.writer.no_room,
+                                      capture_too_large=state.writer.never)  # fmt: skip
             state.writer = None
         if state.cache_handle is not None:
             cropped = self.family.cropped

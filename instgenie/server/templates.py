@@ -56,6 +56,9 @@ T = TypeVar("T")
 
 #: cache tiers a node's workers share (the host cache); "gpu"/"cpu" are one loop's own
 NODE_TIERS = ("dram", "disk")
+#: a build that found no room on its node is sent again after retry_after_s x 2^attempts
+#: seconds, at most this many (each try costs its worker one denoising step and the encodes)
+RETRY_MAX_S = 60.0
 
 
 def template_id_of(image: bytes, loras: Sequence[tuple[str, float]] = ()) -> str:
@@ -81,6 +84,7 @@ class WorkerBuild:
     build_ms: float = 0.0  # worker-reported registration -> ready, ms
     bytes_by_tier: dict[str, int] = field(default_factory=dict)  # cache bytes per tier
     ready_at: float = 0.0  # monotonic time the server learnt it is ready (0: it is not)
+    attempts: int = 0  # sends before this one that found no room on the node (backoff)
 
 
 @dataclass
@@ -291,10 +295,10 @@ class TemplateRegistry:
             self._place(rec)
         return rec, True
 
-    def _build(self, rec: TemplateRecord, slot: WorkerSlot) -> None:
+    def _build(self, rec: TemplateRecord, slot: WorkerSlot, attempts: int = 0) -> None:
         client, incarnation = slot.client, slot.starts
         assert client is not None
-        rec.builds[slot.index] = build = WorkerBuild()
+        rec.builds[slot.index] = build = WorkerBuild(attempts=attempts)
         fut = client.submit_template(rec.msg)  # sent now, ahead of any later edit
         loop = asyncio.get_running_loop()
 
@@ -323,10 +327,15 @@ class TemplateRegistry:
             slot.template_tiers[tid] = fastest_tier(build.bytes_by_tier)
         elif exc is None and fut.result().retryable:
             # no room on that node now (its tiers full of caches in use): not the template's
-            # fault; the record is dropped so that the next edit routed there sends it again
-            rec.builds.pop(slot.index, None)
-            log.warning("template %s on worker %d: %s", tid[:12], slot.index,
-                        fut.result().message)  # fmt: skip
+            # fault. The build stays "building", saying why, and is sent again after a backoff,
+            # so a client waiting for "ready" needs no edit to get there (and edits meanwhile
+            # take the full path without starting captures of their own: `ensure`)
+            delay = min(RETRY_MAX_S, self.cfg.retry_after_s * 2**build.attempts)
+            build.message = f"{fut.result().message}; sent again in {delay:g} s"
+            log.warning("template %s on worker %d: %s", tid[:12], slot.index, build.message)
+            asyncio.get_running_loop().call_later(
+                delay, self._build_again, rec, slot, incarnation, build
+            )
         elif exc is None:
             build.state, build.message = "failed", fut.result().message
         elif isinstance(exc, WorkerError) and exc.code == "invalid_request":
@@ -334,6 +343,18 @@ class TemplateRegistry:
         else:  # the worker died or shut down: resync() rebuilds it on the next incarnation
             build.message = f"{type(exc).__name__}: {exc}"
             log.warning("template %s on worker %d: %s", tid[:12], slot.index, build.message)
+
+    def _build_again(self, rec, slot: WorkerSlot, incarnation: int, build: WorkerBuild) -> None:
+        """The retry of a build that found no room, unless the template was deleted, built
+        again or its worker replaced meanwhile (resync() builds it on the new incarnation)."""
+        if self.records.get(rec.template_id) is not rec or rec.builds.get(slot.index) is not build:
+            return
+        if slot.starts != incarnation or slot.client is None or not slot.accepting:
+            return
+        try:
+            self._build(rec, slot, build.attempts + 1)
+        except RuntimeError:  # the client closed: the worker is being replaced
+            rec.builds.pop(slot.index, None)
 
     async def drop(self, template_id: str) -> TemplateRecord:
         """Forget a template and remove its cache on every worker (404 if unknown)."""

@@ -114,8 +114,13 @@ class Batcher:
         for s in held:
             s.lora.held_ms += ms
             s.notes = replace(s.notes, lora_held_ms=s.lora.held_ms)
+        # a capture run whose cache found no room records nothing more: it leaves now, and its
+        # loop answers the build (retryable, or failed for good when the cache can never fit)
+        gave_up = [s for s in self.running if not s.is_done and _no_room(s)]
         done = [s for s in self.running if s.is_done]
-        self.running = [s for s in self.running if not s.is_done]
+        self.running = [s for s in self.running if not s.is_done and not _no_room(s)]
+        for s in gave_up:
+            self.pipe.release(s)  # (drops its writer)
         ex = self.pipe.family.masked
         ctx = ex.last_context
         loaded = ctx.loader.bytes_loaded if ctx is not None and ctx.loader is not None else 0
@@ -127,7 +132,7 @@ class Batcher:
                 members=[(m.uid, m.step) for m in plan.members],
                 joined=list(plan.joined),
                 waited_ms=waited,
-                left=[s.uid for s in done],
+                left=[s.uid for s in done + gave_up],
                 bytes_loaded=loaded + ex.last_window_bytes,
                 compute_all_blocks=len(plan.compute_all),
                 policy=self.policy.name,
@@ -142,7 +147,11 @@ class Batcher:
         self.steps += 1
         if self.on_step is not None:
             self.on_step([s for s in self.running] + done)
-        return retired + [Retired(s, _check_finite(s)) for s in done]
+        return (
+            retired
+            + [Retired(s, _check_finite(s)) for s in done]
+            + [Retired(s, None) for s in gave_up]
+        )
 
     def _lora_members(self) -> tuple[list, list, list, list[Retired]]:
         """(this step's members, those running without their LoRAs, those held, retired): a
@@ -225,3 +234,9 @@ def _check_finite(state: RequestState) -> tuple[str, str] | None:
     if bool(torch.isfinite(state.latents).all()):
         return None
     return ("internal_error", "non-finite latents (NaN/inf) after denoising")
+
+
+def _no_room(state: RequestState) -> bool:
+    """A capture run whose cache writer found no room in the node's tiers (it records nothing;
+    running it on would only spend steps)."""
+    return bool(state.writer is not None and getattr(state.writer, "no_room", ""))

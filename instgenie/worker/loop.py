@@ -266,11 +266,14 @@ class Loop:
                 if r.error is None and s.notes.capture_lost_race and status == "building":
                     self.awaiting[key] = (template, None)
                     continue
-                no_room = s.notes.capture_no_room
+                no_room = s.notes.capture_no_room if not r.error else ""
                 why = r.error[1] if r.error else "" if status == "ready" else "not committed"
-                if no_room and not r.error:
-                    why = f"no room in this node's cache tiers now ({no_room}); register again"
-                self.template_ready(template, key, why, retryable=bool(no_room) and not r.error)
+                retry = bool(no_room) and not s.notes.capture_too_large
+                if retry:  # the server sends it again later (server/templates.py)
+                    why = f"no room in this node's cache tiers now ({no_room})"
+                elif no_room:
+                    why = no_room
+                self.template_ready(template, key, why, retryable=retry)
             elif r.error is not None:
                 code, message = r.error
                 self.rt.send(EditFailed(uid=s.uid, code=code, message=message, retryable=False))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -14,6 +15,7 @@ import torch
 
 from instgenie.cache import host_store, host_template
 from instgenie.cache.host_store import HostActivationStore
+from instgenie.cache.index import CacheFull, TooLarge
 from instgenie.cache.quant import FP8
 from instgenie.cache.shm_segment import cleanup
 from instgenie.cache.store import TemplateMeta
@@ -22,6 +24,8 @@ from instgenie.engine.family import load_family
 from instgenie.engine.pipeline import EditPipeline
 from instgenie.engine.request import EditRequest
 from instgenie.engine.templates import TemplateSpec
+from instgenie.scheduler.batching import get_policy
+from instgenie.worker.batcher import Batcher
 from tests.conftest import make_image, make_mask, png_bytes
 
 STEPS = 3
@@ -294,16 +298,57 @@ def test_a_capture_with_no_room_records_nothing_and_the_batch_goes_on(tmp_path) 
                                                         num_inference_steps=STEPS))  # fmt: skip
             s_edit = pipe.preprocess(edit)  # reads `key`: its entry is in use until it is done
             s_cap = pipe.capture_state(other)
-            batch = [s_edit, s_cap]
-            while not all(s.is_done for s in batch):
-                pipe.denoise_step([s for s in batch if not s.is_done])
-            assert s_edit.path == "masked"
+            batcher = Batcher(pipe, get_policy("continuous"), max_batch=4)
+            for s in (s_edit, s_cap):
+                batcher.submit(s)
+            retired = {}
+            while not batcher.idle:
+                retired.update((r.state.uid, (r.error, batcher.steps)) for r in batcher.iterate())
+            assert s_edit.path == "masked" and s_edit.is_done
             _close(s_edit.latents, full.latents)
             assert pipe.store.status(other) == "absent"  # nothing committed
             assert "do not fit" in s_cap.notes.capture_no_room
+            assert not s_cap.notes.capture_too_large  # it fits once the edit is done
+            # the capture left after its first step (recording nothing, it would only spend
+            # steps), answered without an error; the edit ran all of its steps
+            assert retired[s_cap.uid] == (None, 1) and not s_cap.is_done
+            assert retired[s_edit.uid] == (None, STEPS) and batcher.steps == STEPS
+            assert s_cap.uid in batcher.records[0].left and s_cap.writer is None
         finally:
             tiered.close()
             cleanup(ns)
+
+
+def test_a_template_larger_than_every_tier_is_too_large_for_good(tmp_path) -> None:
+    """A layout larger than the DRAM tier's whole capacity and than the disk tier's (or with
+    the disk tier off) raises TooLarge, saying both capacities; one that some tier could hold
+    once its entries leave raises the plain CacheFull of "no room now"."""
+    layout = _tiny_layout()
+    for disk, words in ((0, "disk tier (off)"), (layout.nbytes - 1, "disk tier (0.00 MiB)")):
+        ns = uuid.uuid4().hex[:10]
+        tiered = TieredStore(tmp_path / ns, ns, dram_capacity_bytes=layout.nbytes - 1,
+                             disk_capacity_bytes=disk)  # fmt: skip
+        try:
+            with pytest.raises(TooLarge, match=r"larger than this host's dram tier \(0.00 MiB\)"):
+                tiered.writer("ab" * 32, layout)
+            with pytest.raises(TooLarge, match=re.escape(words)):
+                tiered.writer("ab" * 32, layout)
+            assert tiered.status("ab" * 32) == "absent"
+        finally:
+            tiered.close()
+            cleanup(ns)
+    ns = uuid.uuid4().hex[:10]
+    tiered = TieredStore(tmp_path / ns, ns, dram_capacity_bytes=layout.nbytes,
+                         disk_capacity_bytes=0)  # fmt: skip
+    try:
+        first = tiered.writer("ab" * 32, layout)  # building: in use, never evicted
+        with pytest.raises(CacheFull) as info:
+            tiered.writer("cd" * 32, layout)
+        assert not isinstance(info.value, TooLarge)
+        first.abort()
+    finally:
+        tiered.close()
+        cleanup(ns)
 
 
 def _tiny_layout():

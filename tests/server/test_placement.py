@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
 
 from instgenie.config import Config, LimitsConfig, ModelConfig, WorkerConfig
-from instgenie.messages import RegisterTemplate
+from instgenie.messages import RegisterTemplate, TemplateReady
 from instgenie.server.config import ServerConfig
 from instgenie.server.native import _template_view
 from instgenie.server.pool import WorkerPool, WorkerSlot
@@ -225,3 +226,92 @@ def test_placement_prefers_the_node_with_the_most_free_dram() -> None:
     assert [v.templates for v in reg.node_views()] == [1, 1]
     c.state = "restarting"  # no accepting worker: never placed there
     assert reg.node_views()[1].workers == 0
+
+
+def test_a_template_no_tier_can_hold_fails_after_one_step_and_its_edits_run_full(two_nodes) -> None:
+    """A 96 x 96 template's cache (2.25x a 64 x 64 one's) is larger than a node's DRAM tier
+    (DRAM_BYTES) and the disk tier is off: its build fails for good after the capture's first
+    step (of 8), saying what would hold it, instead of waiting for room that cannot come; an
+    edit of it runs the full path."""
+    pool, _ = two_nodes
+    side = 96
+
+    async def scenario() -> None:
+        rt = Runtime(pool, ServerConfig(health_poll_s=0.2, health_timeout_s=10.0), LimitsConfig())
+        rt.dispatcher.policy = Pinned()
+        await rt.start()
+        try:
+            image = png_bytes(make_image(side, side, seed=11))
+            msg = RegisterTemplate(template_id=template_id_of(image), image=image, prompt="",
+                                   seed=11, num_inference_steps=8)  # fmt: skip
+            marks = [max((e.step + 1 for e in s.client.step_log()), default=0) for s in pool.slots]
+            rec, created = await rt.templates.register(TemplateRecord(msg, side, side))
+            (index,) = rec.builds
+            assert created
+            client, mark = pool.slots[index].client, marks[index]
+            await _until("failed", lambda: rec.state(pool) == "failed")
+            error = _template_view(rt, rec)["error"]
+            assert "larger than this host's dram tier (0.76 MiB) and disk tier (off)" in error
+            assert "can never be cached here" in error
+            rt.dispatcher.policy.index = index
+            spec = rt.prepare_edit(image=None, mask=png_bytes(make_mask(side, side)),
+                                   template_id=rec.template_id, prompt="a hat", seed=3)  # fmt: skip
+            out = await rt.execute(rt.admit(spec), spec)
+            assert (out["path"], out["cache"]) == ("full", "miss")
+            assert rec.builds[index].state == "failed"  # the edit started no capture of its own
+            # read after the edit's steps: a capture that went on would have stepped beside it
+            ran = [step for e in client.step_log(mark) for uid, step in e.members
+                   if uid.startswith("template:")]  # fmt: skip
+            assert ran == [0], f"the capture ran steps {ran}"
+        finally:
+            await rt.stop()
+
+    asyncio.run(scenario())
+
+
+class _Builds:
+    """A worker client that records RegisterTemplate sends; the test answers each."""
+
+    def __init__(self) -> None:
+        self.sent: list[Future] = []
+
+    def submit_template(self, msg: RegisterTemplate) -> Future:
+        self.sent.append(Future())
+        return self.sent[-1]
+
+
+def test_a_build_that_found_no_room_is_sent_again_with_backoff_until_ready() -> None:
+    """No room on the node now (its tiers full of caches in use) is not the template's fault:
+    the build stays "building", says why and when it is sent again (retry_after_s, doubling),
+    and is sent again without any edit, until it is ready; an edit meanwhile sends nothing."""
+    reg, (slot,) = _fake_registry(["n0"])
+    reg.cfg = ServerConfig(retry_after_s=1)
+    slot.handle.client = client = _Builds()
+    slot.starts = 1
+    rec = _template(1)
+    tid = rec.template_id
+    why = "no room in this node's cache tiers now (dram: ...)"
+    no_room = TemplateReady(template_id=tid, ok=False, retryable=True, message=why)
+
+    async def scenario() -> None:
+        await reg.register(rec)
+        assert len(client.sent) == 1
+        client.sent[0].set_result(no_room)
+        await _until("answered", lambda: "sent again" in rec.builds[0].message, 5.0)
+        assert rec.state(reg.pool) == "building" and "in 1 s" in rec.builds[0].message
+        reg.ensure(slot, tid)  # an edit of it now: no second send
+        assert len(client.sent) == 1
+        await _until("sent again", lambda: len(client.sent) == 2, 5.0)
+        assert rec.builds[0].attempts == 1
+        client.sent[1].set_result(no_room)
+        await _until("answered again", lambda: "in 2 s" in rec.builds[0].message, 5.0)
+        t0 = time.monotonic()
+        await _until("sent a third time", lambda: len(client.sent) == 3, 5.0)
+        assert time.monotonic() - t0 > 1.5  # the backoff doubled
+        client.sent[2].set_result(TemplateReady(template_id=tid, ok=True,
+                                                bytes_by_tier={"dram": 10}))  # fmt: skip
+        await _until("ready", lambda: rec.state(reg.pool) == "ready", 5.0)
+        await asyncio.sleep(2.5)  # nothing more is sent
+        assert len(client.sent) == 3
+
+    asyncio.run(scenario())
