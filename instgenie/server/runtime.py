@@ -187,7 +187,7 @@ class Runtime:
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new work (503), wait for admitted edits to finish; True if all did."""
-        self.dispatcher.draining = True
+        self.dispatcher.draining = self.templates.draining = True
         deadline = time.monotonic() + timeout_s
         while not self.dispatcher.idle or self.jobs.running:
             if time.monotonic() > deadline:

@@ -133,6 +133,7 @@ class TemplateRegistry:
         #: slot index -> template id -> its build answered ok, until a report asked for since
         #: covers it (`_apply`)
         self._fresh: dict[int, dict[str, WorkerBuild]] = {}
+        self.draining = False  # set as the server drains: no build is sent again (`_build_again`)
 
     def load(self) -> int:
         """Reload the stored templates and build each on its node (at start, on the event
@@ -330,7 +331,7 @@ class TemplateRegistry:
             # fault. The build stays "building", saying why, and is sent again after a backoff,
             # so a client waiting for "ready" needs no edit to get there (and edits meanwhile
             # take the full path without starting captures of their own: `ensure`)
-            delay = min(RETRY_MAX_S, self.cfg.retry_after_s * 2**build.attempts)
+            delay = min(RETRY_MAX_S, max(1, self.cfg.retry_after_s) * 2 ** min(build.attempts, 6))
             build.message = f"{fut.result().message}; sent again in {delay:g} s"
             log.warning("template %s on worker %d: %s", tid[:12], slot.index, build.message)
             asyncio.get_running_loop().call_later(
@@ -349,12 +350,12 @@ class TemplateRegistry:
         again or its worker replaced meanwhile (resync() builds it on the new incarnation)."""
         if self.records.get(rec.template_id) is not rec or rec.builds.get(slot.index) is not build:
             return
-        if slot.starts != incarnation or slot.client is None or not slot.accepting:
-            return
+        if self.draining or slot.starts != incarnation or slot.client is None or not slot.accepting:
+            return  # (a worker back up is resynced: it rebuilds what it has records for)
         try:
             self._build(rec, slot, build.attempts + 1)
-        except RuntimeError:  # the client closed: the worker is being replaced
-            rec.builds.pop(slot.index, None)
+        except RuntimeError:  # the client closed: the worker is being replaced; resync rebuilds
+            rec.builds[slot.index] = build
 
     async def drop(self, template_id: str) -> TemplateRecord:
         """Forget a template and remove its cache on every worker (404 if unknown)."""

@@ -158,8 +158,9 @@ class SimWorker:
             self.steps += 1
             for j in self.running:
                 j.steps_done += 1
-            done = [j for j in self.running if j.steps_done >= j.work.steps]  # type: ignore[union-attr]
-            self.running = [j for j in self.running if j.steps_done < j.work.steps]  # type: ignore[union-attr]
+            # a capture that found no room leaves after its first step (worker/batcher.py)
+            done = [j for j in self.running if _leaves(j)]
+            self.running = [j for j in self.running if not _leaves(j)]
             edits = [j for j in done if not j.capture]
             for j in done:
                 if j.capture:
@@ -237,3 +238,9 @@ class SimWorker:
         host.tiers.commit(job.template, host.nbytes)
         host.tiers.captures += 1
         host.version += 1
+
+
+def _leaves(job: Job) -> bool:
+    """The job leaves the running batch after this step: it ran all its steps, or it is a
+    capture that found no room (it records nothing)."""
+    return job.steps_done >= job.work.steps or (job.capture and job.no_room)  # type: ignore[union-attr]

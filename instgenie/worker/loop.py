@@ -266,7 +266,8 @@ class Loop:
                 if r.error is None and s.notes.capture_lost_race and status == "building":
                     self.awaiting[key] = (template, None)
                     continue
-                no_room = s.notes.capture_no_room if not r.error else ""
+                # (no room for this run, but ready: another process of the host committed it)
+                no_room = s.notes.capture_no_room if not r.error and status != "ready" else ""
                 why = r.error[1] if r.error else "" if status == "ready" else "not committed"
                 retry = bool(no_room) and not s.notes.capture_too_large
                 if retry:  # the server sends it again later (server/templates.py)

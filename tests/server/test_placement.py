@@ -32,6 +32,7 @@ from instgenie.server.templates import (
     template_id_of,
 )
 from instgenie.tensorshm import SHM_DIR
+from instgenie.worker.names import capture_uid
 from tests.conftest import make_image, make_mask, png_bytes
 
 MODEL = "sd2-inpaint:tiny"
@@ -229,10 +230,10 @@ def test_placement_prefers_the_node_with_the_most_free_dram() -> None:
 
 
 def test_a_template_no_tier_can_hold_fails_after_one_step_and_its_edits_run_full(two_nodes) -> None:
-    """A 96 x 96 template's cache (2.25x a 64 x 64 one's) is larger than a node's DRAM tier
-    (DRAM_BYTES) and the disk tier is off: its build fails for good after the capture's first
-    step (of 8), saying what would hold it, instead of waiting for room that cannot come; an
-    edit of it runs the full path."""
+    """A 96 x 96 template's cache at 8 steps (9x a 64 x 64 one's at 2) is larger than a
+    node's DRAM tier (DRAM_BYTES) and the disk tier is off: its build fails for good after
+    the capture's first step (of 8), saying what would hold it, instead of waiting for room
+    that cannot come; an edit of it runs the full path."""
     pool, _ = two_nodes
     side = 96
 
@@ -261,7 +262,7 @@ def test_a_template_no_tier_can_hold_fails_after_one_step_and_its_edits_run_full
             assert rec.builds[index].state == "failed"  # the edit started no capture of its own
             # read after the edit's steps: a capture that went on would have stepped beside it
             ran = [step for e in client.step_log(mark) for uid, step in e.members
-                   if uid.startswith("template:")]  # fmt: skip
+                   if uid == capture_uid(rec.template_id)]  # fmt: skip
             assert ran == [0], f"the capture ran steps {ran}"
         finally:
             await rt.stop()
@@ -303,9 +304,9 @@ def test_a_build_that_found_no_room_is_sent_again_with_backoff_until_ready() -> 
         assert len(client.sent) == 1
         await _until("sent again", lambda: len(client.sent) == 2, 5.0)
         assert rec.builds[0].attempts == 1
+        t0 = time.monotonic()
         client.sent[1].set_result(no_room)
         await _until("answered again", lambda: "in 2 s" in rec.builds[0].message, 5.0)
-        t0 = time.monotonic()
         await _until("sent a third time", lambda: len(client.sent) == 3, 5.0)
         assert time.monotonic() - t0 > 1.5  # the backoff doubled
         client.sent[2].set_result(TemplateReady(template_id=tid, ok=True,
@@ -313,5 +314,27 @@ def test_a_build_that_found_no_room_is_sent_again_with_backoff_until_ready() -> 
         await _until("ready", lambda: rec.state(reg.pool) == "ready", 5.0)
         await asyncio.sleep(2.5)  # nothing more is sent
         assert len(client.sent) == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_draining_server_sends_no_build_again_and_a_zero_retry_after_still_waits() -> None:
+    """retry_after_s 0 (answers' Retry-After) does not make the resend a busy loop (1 s at
+    least), and once the server drains no build is sent again."""
+    reg, (slot,) = _fake_registry(["n0"])
+    reg.cfg = ServerConfig(retry_after_s=0)
+    slot.handle.client = client = _Builds()
+    slot.starts = 1
+    rec = _template(1)
+    why = "no room in this node's cache tiers now (dram: ...)"
+
+    async def scenario() -> None:
+        await reg.register(rec)
+        client.sent[0].set_result(TemplateReady(template_id=rec.template_id, ok=False,
+                                                retryable=True, message=why))  # fmt: skip
+        await _until("answered", lambda: "sent again in 1 s" in rec.builds[0].message, 5.0)
+        reg.draining = True
+        await asyncio.sleep(1.5)
+        assert len(client.sent) == 1 and rec.state(reg.pool) == "building"
 
     asyncio.run(scenario())
