@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from instgenie.cache import capture_stage
+from instgenie.cache.budgets import human_bytes
 from instgenie.cache.disk import DEFAULT_CHUNK_BYTES, CacheMiss, DiskBusy, DiskTier, check_key
 from instgenie.cache.disk_stream import DEFAULT_RING, DiskTemplateWriter, StreamedTemplate
 from instgenie.cache.dram import DramTier
@@ -187,10 +188,11 @@ class TieredStore:
         if any(layout.nbytes <= caps[tier] for tier in ("dram", "disk")):  # (what reserve asks)
             return ""
         tiers = " and ".join(
-            f"{t} tier ({_size(caps[t]) if caps[t] else 'off'})" for t in ("dram", "disk")
+            f"{t} tier ({human_bytes(caps[t]) if caps[t] else 'off'})" for t in ("dram", "disk")
         )
+        size = human_bytes(layout.nbytes)
         return (
-            f"the template's cache ({_size(layout.nbytes)}) is larger than this host's {tiers}: "
+            f"the template's cache ({size}) is larger than this host's {tiers}: "
             "it can never be cached here (raise --cache-dram-bytes or --cache-disk-bytes; its "
             "edits run the full path)"
         )
@@ -478,8 +480,3 @@ class TieredStore:
         with self._lock:
             for k, v in deltas.items():
                 setattr(self.counters, k, getattr(self.counters, k) + v)
-
-
-def _size(nbytes: int) -> str:
-    """Bytes as GiB (from 1 GiB) or MiB, two decimals."""
-    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.2f} MiB"

@@ -324,12 +324,12 @@ def test_a_template_larger_than_every_tier_is_too_large_for_good(tmp_path) -> No
     the disk tier off) raises TooLarge, saying both capacities; one that some tier could hold
     once its entries leave raises the plain CacheFull of "no room now"."""
     layout = _tiny_layout()
-    for disk, words in ((0, "disk tier (off)"), (layout.nbytes - 1, "disk tier (0.00 MiB)")):
+    for disk, words in ((0, "disk tier (off)"), (layout.nbytes - 1, "disk tier (2.5 KiB)")):
         ns = uuid.uuid4().hex[:10]
         tiered = TieredStore(tmp_path / ns, ns, dram_capacity_bytes=layout.nbytes - 1,
                              disk_capacity_bytes=disk)  # fmt: skip
         try:
-            with pytest.raises(TooLarge, match=r"larger than this host's dram tier \(0.00 MiB\)"):
+            with pytest.raises(TooLarge, match=r"larger than this host's dram tier \(2.5 KiB\)"):
                 tiered.writer("ab" * 32, layout)
             with pytest.raises(TooLarge, match=re.escape(words)):
                 tiered.writer("ab" * 32, layout)

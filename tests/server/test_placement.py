@@ -252,7 +252,7 @@ def test_a_template_no_tier_can_hold_fails_after_one_step_and_its_edits_run_full
             client, mark = pool.slots[index].client, marks[index]
             await _until("failed", lambda: rec.state(pool) == "failed")
             error = _template_view(rt, rec)["error"]
-            assert "larger than this host's dram tier (0.76 MiB) and disk tier (off)" in error
+            assert "larger than this host's dram tier (781 KiB) and disk tier (off)" in error
             assert "can never be cached here" in error
             rt.dispatcher.policy.index = index
             spec = rt.prepare_edit(image=None, mask=png_bytes(make_mask(side, side)),
