@@ -4,7 +4,11 @@ Denominators are stated because they decide what a number means:
 - latency percentiles are over ok requests only (client side: sent -> answered, ms);
 - `slo_attainment` is over every arrival: a failed or unsent request misses the SLO;
 - throughput and goodput are ok answers (within the SLO, for goodput) per second of the phase's
-  wall time (its start to its last answer).
+  wall time (its start to its last answer);
+- `interior_throughput_rps` is the rate of ok answers over the phase's interior half: between
+  the answers at the first and third quartile of answer times (the ramp-up, while the batch
+  fills, and the drain, while it empties, excluded). In a phase offered more than the server
+  can answer it is the server's saturated throughput.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo_ms: float | None) -> d
         "wall_s": wall_s,
         "offered_rps": n / last_arrival if last_arrival > 0 else None,
         "throughput_rps": len(ok) / wall_s if wall_s > 0 else None,
+        "interior_throughput_rps": interior_rate([o.done_s for o in ok]),
         "latency_ms": _dist(lat),
         "send_lag_ms": _dist([1e3 * (o.sent_s - o.scheduled_s) for o in sent]),
         "server_queue_ms": _dist(_timing(ok, "server_queue_ms")),
@@ -69,6 +74,17 @@ def summarize(outcomes: list[Outcome], wall_s: float, slo_ms: float | None) -> d
         out["slo_attainment"] = within / n if n else None
         out["goodput_rps"] = within / wall_s if wall_s > 0 else None
     return out
+
+
+def interior_rate(done_s: list[float], least: int = 8) -> float | None:
+    """Answers per second between the answers at the first and third quartile of `done_s`
+    (offsets, s): (k3 - k1) answers over their span. None under `least` answers or no span."""
+    if len(done_s) < least:
+        return None
+    done = sorted(done_s)
+    k1, k3 = len(done) // 4, (3 * len(done)) // 4
+    span = done[k3] - done[k1]
+    return (k3 - k1) / span if span > 0 else None
 
 
 #: the server's step histogram (server/metrics.py), by worker and by how the step's backbone ran
@@ -117,6 +133,8 @@ def one_line(label: str, s: dict) -> str:
     parts = [f"{label}: {s['ok']}/{s['requests']} ok"]
     if s["throughput_rps"] is not None:
         parts.append(f"{s['throughput_rps']:.2f} req/s")
+    if s.get("interior_throughput_rps") is not None:
+        parts.append(f"interior {s['interior_throughput_rps']:.2f} req/s")
     if lat["n"]:
         parts.append(
             f"latency p50 {lat['p50']:.0f} / p95 {lat['p95']:.0f} / p99 {lat['p99']:.0f} ms"

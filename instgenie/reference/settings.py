@@ -30,6 +30,10 @@ class TrainConfig:
     #: backbone learnt is kept) for this many steps on whole images (vae_minutes bounds it)
     decoder_steps: int = 0
     decoder_lr: float = 2e-4
+    #: with decoder_steps: the encoder (and quant conv) train too, at this learning rate (0:
+    #: frozen). The latent space then moves: the latent scaling is measured again and the
+    #: backbone must train on the new latents (steps > 0)
+    encoder_lr: float = 0.0
     #: share of the decoder fine-tune's images shown with their RGB channels permuted
     colour_augment: float = 0.5
     steps: int = 20000

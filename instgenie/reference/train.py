@@ -194,28 +194,39 @@ def finetune_decoder(vae: Any, batches: Batches, cfg: TrainConfig, gen: torch.Ge
     colour_augment of the images have their RGB channels permuted: the pool's garments come in
     the train split's colour x pattern combinations only, and a codec must render every colour
     (a held-out solid red decoded orange before). The learning rate falls on a cosine to
-    lr_final over the steps or vae_minutes."""
+    lr_final over the steps or vae_minutes. With encoder_lr the encoder and quant conv train
+    too (the KL term back in the loss): a new latent space, for a backbone that trains on it."""
     dev = batches.device
     vae.eval().requires_grad_(False)
-    parts = [vae.decoder] + ([vae.post_quant_conv] if vae.post_quant_conv is not None else [])
-    params = [p for m in parts for p in m.parameters()]
-    for m in parts:
-        m.train().requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=cfg.decoder_lr, betas=(0.9, 0.99), weight_decay=0)
+    groups = [([vae.decoder, vae.post_quant_conv], cfg.decoder_lr)]
+    if cfg.encoder_lr:
+        groups.append(([vae.encoder, vae.quant_conv], cfg.encoder_lr))
+    groups = [([p for m in parts if m is not None for p in m.parameters()], lr)
+              for parts, lr in groups]  # fmt: skip
+    params = [p for group, _ in groups for p in group]
+    for p in params:
+        p.requires_grad_(True)
+    vae.train()
+    opt = torch.optim.AdamW([{"params": g, "lr": lr, "base_lr": lr} for g, lr in groups],
+                            betas=(0.9, 0.99), weight_decay=0)  # fmt: skip
     curve = Curve(cfg.log_every)
     side, step = batches.images.shape[1], 0
     for step in range(1, cfg.decoder_steps + 1):
         minutes = curve.elapsed_min() / cfg.vae_minutes if cfg.vae_minutes else 0.0
         for group in opt.param_groups:
-            group["lr"] = cfg.decoder_lr * _cosine(max(step / cfg.decoder_steps, minutes), cfg)
+            group["lr"] = group["base_lr"] * _cosine(max(step / cfg.decoder_steps, minutes), cfg)
         images = batches.images_crops(cfg.vae_batch, side)
         for i in np.flatnonzero(batches.rng.random(len(images)) < cfg.colour_augment):
             images[i] = images[i, torch.from_numpy(batches.rng.permutation(3)).to(dev)]
         with _autocast(dev, cfg.amp):
-            with torch.no_grad():
-                z = vae.encode(images).latent_dist.sample(gen)
+            with torch.set_grad_enabled(bool(cfg.encoder_lr)):
+                post = vae.encode(images).latent_dist
+                z = post.sample(gen)
             rec = vae.decode(z).sample.float()
-        _optimize(opt, _reconstruction_loss(rec, images, cfg), params, curve, step)
+        loss = _reconstruction_loss(rec, images, cfg)
+        if cfg.encoder_lr:
+            loss = loss + cfg.kl_weight * post.kl().float().mean()
+        _optimize(opt, loss, params, curve, step)
         if cfg.vae_minutes and curve.elapsed_min() >= cfg.vae_minutes:
             break
     vae.eval().requires_grad_(False)
@@ -232,6 +243,14 @@ def latent_stats(vae: Any, batches: Batches, gen: torch.Generator, n: int = 256)
         lats.append(vae.encode(images).latent_dist.sample(gen).float())
     z = torch.cat(lats)
     return {"mean": float(z.mean()), "std": float(z.std())}
+
+
+def latent_scaling(stats: dict, family: str) -> dict:
+    """The VAE config's scaling (1 / std) and, for Flux, shift (the mean) of `stats`."""
+    scaling = {"scaling_factor": round(1.0 / stats["std"], 5)}
+    if family == "flux-fill":
+        scaling["shift_factor"] = round(stats["mean"], 5)
+    return scaling
 
 
 def lr_factor(cfg: TrainConfig, step: int, minutes: float) -> float:
@@ -347,15 +366,15 @@ def train(cfg: TrainConfig, pool: Pool, out: Path, device: str = "cuda") -> dict
             vae_log["reconstruction_psnr_db_before"] = reconstruction_psnr(pipe.vae, batches)
             vae_log["decoder"] = finetune_decoder(pipe.vae, batches, cfg, gen)
         stats = latent_stats(pipe.vae, batches, gen)
+        if cfg.decoder_steps and cfg.encoder_lr:  # a new latent space: its own scaling
+            pipe.vae.register_to_config(**latent_scaling(stats, cfg.family))
         scaling = {k: pipe.vae.config[k] for k in ("scaling_factor", "shift_factor")
                    if pipe.vae.config.get(k) is not None}  # fmt: skip
     else:
         pipe = configs.new_pipeline(cfg.family).to(dev)
         vae_log = train_vae(pipe.vae, batches, cfg, gen)
         stats = latent_stats(pipe.vae, batches, gen)
-        scaling = {"scaling_factor": round(1.0 / stats["std"], 5)}
-        if cfg.family == "flux-fill":
-            scaling["shift_factor"] = round(stats["mean"], 5)
+        scaling = latent_scaling(stats, cfg.family)
         pipe.vae.register_to_config(**scaling)
     pipe.set_progress_bar_config(disable=True)
     if dev.type == "cuda" and cfg.family == "sdxl-inpaint" and cfg.memory_format == "channels_last":

@@ -186,6 +186,21 @@ def test_summary_counts_failures_as_slo_misses() -> None:
     assert "SLO 450 ms met by 40.0%" in report.one_line("x", s)
 
 
+def test_interior_throughput_leaves_out_the_ramp_and_the_drain() -> None:
+    """A saturated phase: answers slow while the batch fills and empties, one every 0.5 s in
+    between; the interior rate (quartile to quartile of answer times) reads the 2 per second,
+    where answers over the whole wall time read less."""
+    done = [3.0, 5.0, 6.0, 6.5] + [7.0 + 0.5 * i for i in range(8)] + [11.0, 14.0, 17.0, 21.0]
+    outs = [_ok(i, 0.1 * i, 0.1) for i in range(len(done))]
+    for o, t in zip(outs, done, strict=True):
+        o.done_s = t
+    s = report.summarize(outs, wall_s=21.0, slo_ms=None)
+    assert s["interior_throughput_rps"] == pytest.approx(2.0)  # answers 4..12: 8 over 7.0..11.0 s
+    assert s["throughput_rps"] == pytest.approx(16 / 21)
+    assert report.interior_rate(done[:7]) is None  # too few answers to have an interior
+    assert report.interior_rate([5.0] * 8) is None  # no span
+
+
 # ---- the driver against a scripted server --------------------------------------------------
 class _Scripted(BaseHTTPRequestHandler):
     """POST /v1/edits: sleeps body["sleep_s"], answers body["status"] (error shape if not 200)."""

@@ -264,3 +264,36 @@ def test_a_decoder_fine_tune_without_a_trained_model_is_a_usage_error(
     assert rc == 2
     assert "--init" in capsys.readouterr().err
     assert not pool.exists() and not out.exists()
+
+
+def test_a_whole_vae_fine_tune_moves_the_encoder_rescales_and_trains_the_backbone(
+    tmp_path: Path, capsys
+) -> None:
+    """`--encoder-lr` with `--decoder-steps`: the encoder and quant conv train too, the latent
+    scaling is measured again on the new latents (1 / their std), and the backbone trains on
+    them; without a backbone run (--steps 0) or a decoder run it is refused."""
+    from safetensors.torch import load_file
+
+    src = REF_ROOT / "sdxl-inpaint"
+    out = tmp_path / "vae"
+    common = ["train-reference", "--family", "sdxl-inpaint", "--init", str(src), "--device",
+              "cpu", "--scenes", "4", "--size", "64", "--vae-batch", "2", "--batch", "2",
+              "--log-every", "1", "--amp", "fp32"]  # fmt: skip
+    rc = main([*common, "--out", str(out), "--decoder-steps", "2", "--encoder-lr", "2e-4",
+               "--steps", "1"])  # fmt: skip
+    assert rc == 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["vae"]["decoder"]["steps"] == 2 and record["backbone"]["steps"] == 1
+    name = "diffusion_pytorch_model.safetensors"
+    before, after = load_file(src / "vae" / name), load_file(out / "vae" / name)
+    for part in ("encoder.", "decoder."):
+        keys = [k for k in before if k.startswith(part)]
+        moved = sum(not torch.equal(before[k], after[k]) for k in keys)
+        assert moved > len(keys) // 2, (part, moved, len(keys))
+    scaling = json.loads((out / "vae" / "config.json").read_text())["scaling_factor"]
+    assert scaling == record["vae"]["scaling_factor"]
+    assert scaling == pytest.approx(1 / record["vae"]["latents"]["std"], rel=1e-4)
+    for bad in (["--decoder-steps", "2", "--steps", "0"], ["--steps", "1"]):
+        rc = main([*common, "--out", str(tmp_path / "no"), "--encoder-lr", "1e-4", *bad])
+        assert rc == 2 and "--encoder-lr" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
