@@ -84,6 +84,10 @@ def main() -> int:
     p.add_argument("--no-fp8", action="store_true", help="skip the fp8 cache variant")
     p.add_argument("--sparse-convs", default="off", choices=("auto", "off"),
                    help="ExecConfig.sparse_convs of the masked path (UNet families)")  # fmt: skip
+    p.add_argument("--capture-prompt", default="caption", choices=evaluate.CAPTURE_PROMPTS,
+                   help="what each template is captured under: its caption, its scene (the "
+                   "caption without the garment's colour and pattern: decision 0056), or "
+                   "empty")  # fmt: skip
     args = p.parse_args()
     pipes = pipes_for(args.model, args.device, args.profile, args.sparse_convs,
                       tuple(args.margins), not args.no_fp8)  # fmt: skip
@@ -91,7 +95,8 @@ def main() -> int:
     cases = evaluate.cases(args.cases, max_ratio=args.max_ratio)
     rows, outs, t0 = [], [], time.monotonic()
     for i, case in enumerate(cases):
-        o = evaluate.run_case(pipes, case, args.steps, args.guidance, seed=1 + i)
+        o = evaluate.run_case(pipes, case, args.steps, args.guidance, seed=1 + i,
+                              capture=args.capture_prompt)  # fmt: skip
         rows.append(evaluate.score(o, case, clf))
         if len(outs) < args.grid_rows:
             outs.append(o)
@@ -104,6 +109,7 @@ def main() -> int:
     record = {
         "model": args.model, "steps": args.steps, "guidance": args.guidance,
         "sparse_convs": args.sparse_convs, "margins": args.margins,
+        "capture_prompt": args.capture_prompt,
         "token_ratios": computed_ratios(pipes, cases),
         "max_ratio": args.max_ratio, "template_seed": evaluate.TEMPLATE_SEED,
         "eval_seed": evaluate.EVAL_SEED, "band_px": evaluate.BAND,

@@ -74,9 +74,10 @@ def output_name(model: str, tag: str = "") -> str:
     return re.sub(r"[^A-Za-z0-9._]+", "-", model).strip("-") + tag
 
 
-def experiment_setup(doc: str, default_model: str):  # noqa: ANN201
+def experiment_setup(doc: str, default_model: str, variants: tuple[str, ...] = ()):  # noqa: ANN201
     """A quality experiment's (bench/quality_*.py) flags — --model, --cases, --steps, --device,
-    --out — parsed, its pipeline and the region classifier loaded: (args, pipe, classifier)."""
+    --out, and --variants (a subset of `variants`, all by default) where it has some — parsed,
+    its pipeline and the region classifier loaded: (args, pipe, classifier)."""
     import argparse
     from pathlib import Path
 
@@ -88,6 +89,8 @@ def experiment_setup(doc: str, default_model: str):  # noqa: ANN201
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, required=True)
+    if variants:
+        p.add_argument("--variants", nargs="+", choices=variants, default=list(variants))
     args = p.parse_args()
     pipe = EditPipeline.load(args.model, device=args.device)
     return args, pipe, classifier.RegionClassifier.load(classifier.DEFAULT_WEIGHTS)
@@ -198,16 +201,40 @@ def edit_request(case: Case, steps: int, guidance: float | None, seed: int):  # 
                        paste_back=False)  # fmt: skip
 
 
-def run_case(pipes: dict, case: Case, steps: int, guidance: float | None, seed: int) -> Outputs:
+#: what a template is captured under (bench/quality*.py --capture-prompt; docs/decisions/0056)
+CAPTURE_PROMPTS = ("caption", "scene", "empty")
+
+
+def scene_prompt(case: Case) -> str:
+    """The template's caption without its garment's colour and pattern ("a person in a pink
+    checked dress on a beige wall" -> "a person in a dress on a beige wall"): what every edit of
+    the template keeps."""
+    garment = case.want["garment"]  # an edit recolours the template's garment: same kind
+    out, n = re.subn(rf"^a person in an? .*?\b{re.escape(garment)}\b", f"a person in a {garment}",
+                     case.caption)  # fmt: skip
+    if n != 1:
+        raise ValueError(f"case {case.id}: no garment {garment!r} in {case.caption!r}")
+    return out
+
+
+def capture_prompt(case: Case, kind: str) -> str:
+    """The prompt `case`'s template is captured under: its caption, its scene, or empty."""
+    return {"caption": case.caption, "scene": scene_prompt(case), "empty": ""}[kind]
+
+
+def run_case(pipes: dict, case: Case, steps: int, guidance: float | None, seed: int,
+             capture: str = "caption") -> Outputs:  # fmt: skip
     """Full path on the first pipe; masked path on each (one pipe per cache variant: they share
-    the family, their stores differ). Each template is captured into its pipe's store first."""
+    the family, their stores differ). Each template is captured into its pipe's store first,
+    under capture_prompt(case, capture)."""
     from dataclasses import replace
 
     from instgenie.engine.imageio import paste_back
     from instgenie.engine.templates import TemplateSpec
 
     image, mask = Image.fromarray(case.image), Image.fromarray(case.mask.astype(np.uint8) * 255)
-    spec = TemplateSpec(image=png(case.image), prompt=case.caption, seed=TEMPLATE_SEED,
+    spec = TemplateSpec(image=png(case.image), prompt=capture_prompt(case, capture),
+                        seed=TEMPLATE_SEED,
                         num_inference_steps=steps, guidance_scale=guidance)  # fmt: skip
     req = edit_request(case, steps, guidance, seed)
     first = next(iter(pipes.values()))

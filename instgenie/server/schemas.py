@@ -135,7 +135,11 @@ class EditJSON(EditParams):
 class TemplateParams(_Strict):
     """Non-file fields of POST /v1/templates."""
 
-    prompt: Text = Field("", description="the template's own prompt or caption")
+    prompt: Text = Field(
+        "",
+        description="the prompt the template's cache is captured under: every edit attends to "
+        "rows painted under it, so describe what edits keep (the scene), not what they change",
+    )
     negative_prompt: Text | None = None
     seed: int = _Seed
     num_inference_steps: int | None = _Steps

@@ -125,3 +125,24 @@ def test_ref_specs_parse_and_work_at_256_pixels() -> None:
     assert native_side("flux-fill:ref") == 256 == native_side("sdxl-inpaint:ref")
     with pytest.raises(ModelLoadError, match="no reference model of 'sd2-inpaint'"):
         ModelSpec.parse("sd2-inpaint:ref")
+
+
+def test_a_scene_prompt_drops_the_garments_colour_and_pattern_and_keeps_the_rest() -> None:
+    """evaluate.scene_prompt (decision 0056): the caption up to its garment loses the words
+    between "a person in a(n)" and the garment's name, nothing else; the edit's prompt (the same
+    scene, another garment colour) gives the same scene."""
+    import dataclasses
+
+    seen = set()
+    for case in evaluate.cases(24) + evaluate.cases(12, split="train"):
+        scene, garment = evaluate.scene_prompt(case), case.want["garment"]
+        head, _, tail = case.caption.partition(f" {garment}")
+        assert scene == f"a person in a {garment}{tail}" and len(head) > len("a person in an")
+        assert evaluate.scene_prompt(dataclasses.replace(case, caption=case.prompt)) == scene
+        assert evaluate.capture_prompt(case, "caption") == case.caption
+        assert evaluate.capture_prompt(case, "empty") == ""
+        seen.add(head.split()[-1])
+    assert len(seen) > 3  # many colours and patterns dropped, not one
+    odd = dataclasses.replace(case, caption="a red chair on a grey wall")
+    with pytest.raises(ValueError, match="no garment"):
+        evaluate.scene_prompt(odd)
