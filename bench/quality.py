@@ -102,7 +102,8 @@ def main() -> int:
             outs.append(o)
         print(json.dumps({k: rows[-1][k] for k in ("id", "kind", "ratio")}
                          | {"ssim": rows[-1]["cache"]["ssim"]}), flush=True)  # fmt: skip
-    name = evaluate.output_name(args.model, args.tag)
+    capture = "" if args.capture_prompt == "caption" else f"-{args.capture_prompt}"
+    name = evaluate.output_name(args.model, capture + args.tag)  # the caption's files keep theirs
     args.out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip

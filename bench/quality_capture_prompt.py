@@ -12,8 +12,12 @@ Variants, same cases and seeds as bench/quality.py, paste-back to the edit's mas
 - `empty`: the empty prompt (the API's default for a template);
 - `scene-m8`: `scene` with an 8-pixel compute margin (decision 0050).
 
-    python bench/quality_capture_prompt.py --model flux-fill:ref --out docs/benchmarks/data/quality
+    python bench/quality_capture_prompt.py --model flux-fill:ref --variants caption scene empty \
+        --tag=-24 --out docs/benchmarks/data/quality
     python bench/quality_capture_prompt.py --cases 48 --variants caption scene scene-m8 --out ...
+
+Each row holds the edit's prompt and what the classifier read (colour, pattern, garment) on
+every path, beside the hits.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def main() -> int:
         image, mask = Image.fromarray(case.image), Image.fromarray(case.mask.astype(np.uint8) * 255)
         full = paste_back(pipe.run([req])[0].image, image, mask)
         row = {"id": case.id, "kind": case.kind, "ratio": round(case.ratio, 4),
-               "full": evaluate.adherence(clf, full, case)}  # fmt: skip
+               "prompt": case.prompt, "full": evaluate.adherence(clf, full, case),
+               "full_read": clf.predict(np.asarray(full), case.garment & case.mask)}  # fmt: skip
         prompts = {v: evaluate.capture_prompt(case, v.removesuffix("-m8")) for v in variants}
         for name in variants:
             pipe.compute_margin = 8 if name.endswith("-m8") else 0
@@ -53,10 +58,13 @@ def main() -> int:
                                                    seed=evaluate.TEMPLATE_SEED,
                                                    num_inference_steps=args.steps))  # fmt: skip
             res = pipe.run([replace(req, image=None, template_id=key)])[0]
-            assert res.path == "masked", res.path
+            if res.path != "masked":
+                raise RuntimeError(f"case {case.id}: the edit ran {res.path} "
+                                   f"({res.fallback_reason})")  # fmt: skip
             out = paste_back(res.image, image, mask)
+            read = clf.predict(np.asarray(out), case.garment & case.mask)
             row[name] = {**evaluate.compare(full, out, case), "capture_prompt": prompts[name],
-                         "adherence": evaluate.adherence(clf, out, case)}  # fmt: skip
+                         "adherence": evaluate.adherence(clf, out, case), "read": read}  # fmt: skip
             pipe.store.delete(key)
         rows.append(row)
         print(json.dumps({"id": case.id, "kind": case.kind, "full": row["full"]["colour"],

@@ -8,7 +8,9 @@ Denominators are stated because they decide what a number means:
 - `interior_throughput_rps` is the rate of ok answers over the phase's interior half: between
   the answers at the first and third quartile of answer times (the ramp-up, while the batch
   fills, and the drain, while it empties, excluded). In a phase offered more than the server
-  can answer it is the server's saturated throughput.
+  can answer it is the server's saturated throughput. Answers that come in clumps (a batch
+  finishing together) make its window end inside a clump: over a phase of few batches it can
+  be off by up to a batch, so give it many answers.
 """
 
 from __future__ import annotations

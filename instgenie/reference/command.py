@@ -64,9 +64,9 @@ def run(args: argparse.Namespace) -> int:
         )
         print(msg, file=sys.stderr)
         return 2
-    if args.encoder_lr and not (args.decoder_steps and args.steps):
-        print("train-reference: --encoder-lr moves the latent space: it needs --decoder-steps "
-              "and a backbone that trains on the new latents (--steps > 0)",
+    if args.encoder_lr < 0 or (args.encoder_lr and not (args.decoder_steps and args.steps)):
+        print("train-reference: --encoder-lr (>= 0) moves the latent space: it needs "
+              "--decoder-steps and a backbone that trains on the new latents (--steps > 0)",
               file=sys.stderr)  # fmt: skip
         return 2
     t0 = time.monotonic()

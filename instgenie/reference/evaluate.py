@@ -3,13 +3,14 @@ and on the masked path (the template's cache filling the unmasked rows), with th
 
 A case is an eval-split scene of the procedural dataset (its garment's colour x pattern was held
 out of training) with one of its masks (m <= max_ratio) and its edit prompt (another held-out
-colour x pattern). The template is the scene with its caption, captured once with
-TEMPLATE_SEED and no mask, as a served template is; the edit runs with its own seed on both
-paths. Metrics compare the two outputs after paste-back (what a client receives) on the whole
-image, inside the mask and on a band of BAND pixels around the mask's edge, plus the raw
-(un-pasted) whole image; prompt adherence is the region classifier's reading
-(dataset/classifier.py) of the template's garment pixels inside the mask, against the edit's
-labels, for each path and for the edit target rendered exactly (the classifier's ceiling).
+colour x pattern). The template is the scene under its caption (or its scene prompt or none:
+`capture_prompt`), captured once with TEMPLATE_SEED and no mask, as a served template is; the
+edit runs with its own seed on both paths. Metrics compare the two outputs after paste-back
+(what a client receives) on the whole image, inside the mask and on a band of BAND pixels
+around the mask's edge, plus the raw (un-pasted) whole image; prompt adherence is the region
+classifier's reading (dataset/classifier.py) of the template's garment pixels inside the mask,
+against the edit's labels, for each path and for the edit target rendered exactly (the
+classifier's ceiling).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def experiment_setup(doc: str, default_model: str, variants: tuple[str, ...] = (
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tag", default="", help="suffix of the output file's name")
     if variants:
         p.add_argument("--variants", nargs="+", choices=variants, default=list(variants))
     args = p.parse_args()
@@ -113,7 +115,7 @@ def write_experiment(out_dir, prefix: str, args, rows: list[dict], summary: dict
               "rows": rows, "device": args.device, "torch": torch.__version__, "commit": commit,
               "seconds": round(seconds, 1), "command": " ".join(sys.argv)}  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{prefix}-{output_name(args.model)}.json"
+    path = out_dir / f"{prefix}-{output_name(args.model, args.tag)}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
 
@@ -219,7 +221,13 @@ def scene_prompt(case: Case) -> str:
 
 def capture_prompt(case: Case, kind: str) -> str:
     """The prompt `case`'s template is captured under: its caption, its scene, or empty."""
-    return {"caption": case.caption, "scene": scene_prompt(case), "empty": ""}[kind]
+    if kind == "caption":
+        return case.caption
+    if kind == "scene":
+        return scene_prompt(case)
+    if kind == "empty":
+        return ""
+    raise ValueError(f"capture prompt {kind!r}: one of {', '.join(CAPTURE_PROMPTS)}")
 
 
 def run_case(pipes: dict, case: Case, steps: int, guidance: float | None, seed: int,

@@ -26,8 +26,9 @@ class TrainConfig:
     kl_weight: float = 1e-6
     #: + this x L1 of the images' 8 x 8 means (regional colour; 0 in runs 1-6)
     colour_weight: float = 1.0
-    #: with init: fine-tune the VAE's decoder alone (encoder frozen, so the latent space the
-    #: backbone learnt is kept) for this many steps on whole images (vae_minutes bounds it)
+    #: with init: fine-tune the VAE's decoder for this many steps on whole images (vae_minutes
+    #: bounds it); alone (encoder frozen, so the latent space the backbone learnt is kept)
+    #: unless encoder_lr > 0
     decoder_steps: int = 0
     decoder_lr: float = 2e-4
     #: with decoder_steps: the encoder (and quant conv) train too, at this learning rate (0:
@@ -67,3 +68,12 @@ class TrainConfig:
     #: a reference pipeline directory to continue from ("" = fresh weights); its VAE and latent
     #: scaling are kept (vae_steps is ignored) and its backbone and text towers train on
     init: str = ""
+
+    def __post_init__(self) -> None:
+        if self.encoder_lr < 0 or self.decoder_lr < 0:
+            raise ValueError(f"learning rates are >= 0: encoder_lr {self.encoder_lr}, "
+                             f"decoder_lr {self.decoder_lr}")  # fmt: skip
+        if self.encoder_lr and not (self.init and self.decoder_steps and self.steps):
+            raise ValueError("encoder_lr moves a trained model's latent space: it needs init, "
+                             "decoder_steps and a backbone that trains on the new latents "
+                             "(steps > 0)")  # fmt: skip

@@ -198,15 +198,15 @@ def finetune_decoder(vae: Any, batches: Batches, cfg: TrainConfig, gen: torch.Ge
     too (the KL term back in the loss): a new latent space, for a backbone that trains on it."""
     dev = batches.device
     vae.eval().requires_grad_(False)
-    groups = [([vae.decoder, vae.post_quant_conv], cfg.decoder_lr)]
+    parts = [([vae.decoder, vae.post_quant_conv], cfg.decoder_lr)]
     if cfg.encoder_lr:
-        groups.append(([vae.encoder, vae.quant_conv], cfg.encoder_lr))
-    groups = [([p for m in parts if m is not None for p in m.parameters()], lr)
-              for parts, lr in groups]  # fmt: skip
+        parts.append(([vae.encoder, vae.quant_conv], cfg.encoder_lr))
+    parts = [([m for m in modules if m is not None], lr) for modules, lr in parts]  # Flux: no convs
+    for modules, _ in parts:
+        for m in modules:
+            m.train().requires_grad_(True)  # only what trains leaves eval mode
+    groups = [([p for m in modules for p in m.parameters()], lr) for modules, lr in parts]
     params = [p for group, _ in groups for p in group]
-    for p in params:
-        p.requires_grad_(True)
-    vae.train()
     opt = torch.optim.AdamW([{"params": g, "lr": lr, "base_lr": lr} for g, lr in groups],
                             betas=(0.9, 0.99), weight_decay=0)  # fmt: skip
     curve = Curve(cfg.log_every)
@@ -230,7 +230,8 @@ def finetune_decoder(vae: Any, batches: Batches, cfg: TrainConfig, gen: torch.Ge
         if cfg.vae_minutes and curve.elapsed_min() >= cfg.vae_minutes:
             break
     vae.eval().requires_grad_(False)
-    return {"steps": step, "curve": curve.points}
+    trained = [{"lr": lr, "parameters": sum(p.numel() for p in group)} for group, lr in groups]
+    return {"steps": step, "curve": curve.points, "groups": trained}
 
 
 @torch.no_grad()

@@ -143,6 +143,11 @@ def test_a_scene_prompt_drops_the_garments_colour_and_pattern_and_keeps_the_rest
         assert evaluate.capture_prompt(case, "empty") == ""
         seen.add(head.split()[-1])
     assert len(seen) > 3  # many colours and patterns dropped, not one
+    caption = "a person in an orange checked t-shirt on a cream wall"
+    tee = dataclasses.replace(case, want={**case.want, "garment": "t-shirt"}, caption=caption)
+    assert evaluate.scene_prompt(tee) == "a person in a t-shirt on a cream wall"
     odd = dataclasses.replace(case, caption="a red chair on a grey wall")
     with pytest.raises(ValueError, match="no garment"):
         evaluate.scene_prompt(odd)
+    with pytest.raises(ValueError, match="one of caption, scene, empty"):
+        evaluate.capture_prompt(case, "neutral")

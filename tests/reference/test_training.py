@@ -266,34 +266,52 @@ def test_a_decoder_fine_tune_without_a_trained_model_is_a_usage_error(
     assert not pool.exists() and not out.exists()
 
 
+@pytest.mark.parametrize("family", ["sdxl-inpaint", "flux-fill"])
 def test_a_whole_vae_fine_tune_moves_the_encoder_rescales_and_trains_the_backbone(
-    tmp_path: Path, capsys
+    family: str, tmp_path: Path, capsys
 ) -> None:
-    """`--encoder-lr` with `--decoder-steps`: the encoder and quant conv train too, the latent
-    scaling is measured again on the new latents (1 / their std), and the backbone trains on
-    them; without a backbone run (--steps 0) or a decoder run it is refused."""
+    """`--encoder-lr` with `--decoder-steps`: the encoder (and quant conv where the VAE has one)
+    trains too, at its own learning rate, the latent scaling (and Flux's shift) is measured again
+    on the new latents, and the backbone trains on them; without a backbone run (--steps 0), a
+    decoder run, or with a negative rate it is refused, and so is such a TrainConfig."""
     from safetensors.torch import load_file
 
-    src = REF_ROOT / "sdxl-inpaint"
+    from instgenie.reference.settings import TrainConfig
+
+    src = REF_ROOT / family
     out = tmp_path / "vae"
-    common = ["train-reference", "--family", "sdxl-inpaint", "--init", str(src), "--device",
-              "cpu", "--scenes", "4", "--size", "64", "--vae-batch", "2", "--batch", "2",
+    common = ["train-reference", "--family", family, "--init", str(src), "--device", "cpu",
+              "--scenes", "4", "--size", "64", "--vae-batch", "2", "--batch", "2",
               "--log-every", "1", "--amp", "fp32"]  # fmt: skip
-    rc = main([*common, "--out", str(out), "--decoder-steps", "2", "--encoder-lr", "2e-4",
-               "--steps", "1"])  # fmt: skip
+    rc = main([*common, "--out", str(out), "--decoder-steps", "2", "--encoder-lr", "3e-4",
+               "--decoder-lr", "2e-4", "--steps", "1"])  # fmt: skip
     assert rc == 0
     record = json.loads((out / "training.json").read_text())
     assert record["vae"]["decoder"]["steps"] == 2 and record["backbone"]["steps"] == 1
+    vae = configs.load_pipeline(family, src).vae
+    count = lambda *ms: sum(p.numel() for m in ms if m is not None for p in m.parameters())  # noqa: E731
+    assert record["vae"]["decoder"]["groups"] == [
+        {"lr": 2e-4, "parameters": count(vae.decoder, vae.post_quant_conv)},
+        {"lr": 3e-4, "parameters": count(vae.encoder, vae.quant_conv)},
+    ]
     name = "diffusion_pytorch_model.safetensors"
     before, after = load_file(src / "vae" / name), load_file(out / "vae" / name)
     for part in ("encoder.", "decoder."):
         keys = [k for k in before if k.startswith(part)]
         moved = sum(not torch.equal(before[k], after[k]) for k in keys)
         assert moved > len(keys) // 2, (part, moved, len(keys))
-    scaling = json.loads((out / "vae" / "config.json").read_text())["scaling_factor"]
-    assert scaling == record["vae"]["scaling_factor"]
-    assert scaling == pytest.approx(1 / record["vae"]["latents"]["std"], rel=1e-4)
+    config = json.loads((out / "vae" / "config.json").read_text())
+    latents = record["vae"]["latents"]
+    assert config["scaling_factor"] == record["vae"]["scaling_factor"]
+    assert config["scaling_factor"] == pytest.approx(1 / latents["std"], rel=1e-4)
+    if family == "flux-fill":
+        assert config["shift_factor"] == pytest.approx(latents["mean"], abs=1e-5)
     for bad in (["--decoder-steps", "2", "--steps", "0"], ["--steps", "1"]):
         rc = main([*common, "--out", str(tmp_path / "no"), "--encoder-lr", "1e-4", *bad])
         assert rc == 2 and "--encoder-lr" in capsys.readouterr().err
+    rc = main([*common, "--out", str(tmp_path / "no"), "--encoder-lr=-1e-4",
+               "--decoder-steps", "2", "--steps", "1"])  # fmt: skip
+    assert rc == 2 and "--encoder-lr" in capsys.readouterr().err
     assert not (tmp_path / "no").exists()
+    with pytest.raises(ValueError, match="encoder_lr"):
+        TrainConfig(family=family, init=str(src), encoder_lr=1e-4, decoder_steps=2, steps=0)
