@@ -56,19 +56,16 @@ def add_train_reference_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("instgenie.reference").setLevel(logging.INFO)
     from instgenie.reference import pool as pool_mod
+    from instgenie.reference.settings import TrainConfig
 
-    if args.decoder_steps and not args.init:
-        msg = (
-            "train-reference: --decoder-steps fine-tunes a trained model's decoder: give "
-            "--init DIR (a new model trains its whole VAE with --vae-steps)"
-        )
-        print(msg, file=sys.stderr)
-        return 2
-    if args.encoder_lr < 0 or (args.encoder_lr and not (args.decoder_steps and args.steps)):
-        print("train-reference: --encoder-lr (>= 0) moves the latent space: it needs "
-              "--decoder-steps and a backbone that trains on the new latents (--steps > 0)",
-              file=sys.stderr)  # fmt: skip
-        return 2
+    cfg = None
+    if args.family is not None:  # checked before any pool is rendered
+        names = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "family"]
+        try:
+            cfg = TrainConfig(family=args.family, **{n: getattr(args, n) for n in names})
+        except ValueError as exc:
+            print(f"train-reference: {exc}", file=sys.stderr)
+            return 2
     t0 = time.monotonic()
     if args.pool is not None and args.pool.exists():
         pool = pool_mod.load(args.pool)
@@ -80,14 +77,11 @@ def run(args: argparse.Namespace) -> int:
           flush=True)  # fmt: skip
     if args.render_only:
         return 0
-    if args.family is None or args.out is None:
+    if cfg is None or args.out is None:
         print("train-reference: --family and --out are required to train", file=sys.stderr)
         return 2
-    from instgenie.reference.settings import TrainConfig
     from instgenie.reference.train import train
 
-    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "family"]
-    cfg = TrainConfig(family=args.family, **{n: getattr(args, n) for n in names})
     record = train(cfg, pool, args.out, args.device)
     print(json.dumps({k: record[k] for k in ("family", "seconds", "parameters")}
                      | {"vae_steps": record["vae"]["steps"],

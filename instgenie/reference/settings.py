@@ -70,10 +70,15 @@ class TrainConfig:
     init: str = ""
 
     def __post_init__(self) -> None:
+        """The combinations train-reference refuses (its flags are these fields' names)."""
+        if self.decoder_steps and not self.init:
+            raise ValueError("decoder_steps (--decoder-steps) fine-tunes a trained model's "
+                             "decoder: give --init DIR (a new model trains its whole VAE with "
+                             "--vae-steps)")  # fmt: skip
         if self.encoder_lr < 0 or self.decoder_lr < 0:
-            raise ValueError(f"learning rates are >= 0: encoder_lr {self.encoder_lr}, "
-                             f"decoder_lr {self.decoder_lr}")  # fmt: skip
-        if self.encoder_lr and not (self.init and self.decoder_steps and self.steps):
-            raise ValueError("encoder_lr moves a trained model's latent space: it needs init, "
-                             "decoder_steps and a backbone that trains on the new latents "
-                             "(steps > 0)")  # fmt: skip
+            raise ValueError(f"learning rates are >= 0: encoder_lr (--encoder-lr) "
+                             f"{self.encoder_lr}, decoder_lr {self.decoder_lr}")  # fmt: skip
+        if self.encoder_lr and not (self.decoder_steps and self.steps):
+            raise ValueError("encoder_lr (--encoder-lr) moves a trained model's latent space: "
+                             "it needs --decoder-steps and a backbone that trains on the new "
+                             "latents (--steps > 0)")  # fmt: skip
