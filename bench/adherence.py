@@ -11,6 +11,8 @@ Per mask kind too. Writes JSON and the outputs (an .npz, so that another classif
 them again: `--rescore FILE`).
 
     python bench/adherence.py --model sdxl-inpaint:ref --cases 48 --out docs/benchmarks/data/quality
+    python bench/adherence.py --model sdxl-inpaint:ref --cases 48 --offset 48 --splits eval \
+        --guidance 10 --out OUT    # a setting tried on the next 48 cases, not the reported ones
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="sdxl-inpaint:ref")
     p.add_argument("--cases", type=int, default=48, help="per split")
+    p.add_argument("--offset", type=int, default=0,
+                   help="skip the split's first OFFSET cases (e.g. a tuning set beside the "
+                        "reported first 48); seeds still count from 1")  # fmt: skip
     p.add_argument("--splits", default="eval,train")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--guidance", type=float, default=None, help="default: the family's")
@@ -100,7 +105,8 @@ def main() -> int:
     args = p.parse_args()
     clf = classifier.RegionClassifier.load(args.classifier)
     splits = args.splits.split(",")
-    case_lists = {s: evaluate.cases(args.cases, max_ratio=args.max_ratio, split=s) for s in splits}
+    case_lists = {s: evaluate.cases(args.offset + args.cases, max_ratio=args.max_ratio,
+                                    split=s)[args.offset:] for s in splits}  # fmt: skip
     t0 = time.monotonic()
     if args.rescore is not None:
         saved = np.load(args.rescore)
@@ -111,7 +117,7 @@ def main() -> int:
     vae = _vae(args.model, args.device)
     record = {
         "model": args.model, "steps": args.steps, "guidance": args.guidance,
-        "max_ratio": args.max_ratio, "eval_seed": evaluate.EVAL_SEED,
+        "max_ratio": args.max_ratio, "eval_seed": evaluate.EVAL_SEED, "offset": args.offset,
         "classifier": str(args.classifier),
         "splits": {s: score(clf, case_lists[s], images[s], vae) for s in splits},
         "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
