@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_masked_step import environment  # noqa: E402
 from instgenie.dataset import classifier  # noqa: E402
 from instgenie.engine.pipeline import EditPipeline  # noqa: E402
 from instgenie.reference import evaluate  # noqa: E402
@@ -103,13 +104,17 @@ def main() -> int:
     p.add_argument("--rescore", type=Path, default=None,
                    help="score an earlier run's outputs (its .npz) again; run nothing")  # fmt: skip
     args = p.parse_args()
-    clf = classifier.RegionClassifier.load(args.classifier)
     splits = args.splits.split(",")
+    if args.rescore is not None:  # the earlier run's cases: its offset, count and ratio cap
+        made = json.loads(args.rescore.with_suffix(".json").read_text())
+        saved = np.load(args.rescore)
+        args.offset, args.max_ratio = made.get("offset", 0), made["max_ratio"]
+        args.cases = len(saved[splits[0]])
+    clf = classifier.RegionClassifier.load(args.classifier)
     case_lists = {s: evaluate.cases(args.offset + args.cases, max_ratio=args.max_ratio,
                                     split=s)[args.offset:] for s in splits}  # fmt: skip
     t0 = time.monotonic()
     if args.rescore is not None:
-        saved = np.load(args.rescore)
         images = {s: list(saved[s]) for s in splits}
     else:
         pipe = EditPipeline.load(args.model, device=args.device)
@@ -123,11 +128,13 @@ def main() -> int:
         "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
                    else platform.processor() or "cpu"),
         "torch": torch.__version__, "seconds": round(time.monotonic() - t0, 1),
+        "env": environment(torch.device(args.device)),  # versions, commit (GIT_COMMIT first)
         "command": " ".join(sys.argv),
     }  # fmt: skip
     if args.rescore is not None:  # where the images were made: the earlier run's record
-        made = json.loads(args.rescore.with_suffix(".json").read_text())
-        record |= {k: made[k] for k in ("device", "torch", "seconds", "command", "steps")}
+        record |= {k: made[k] for k in ("device", "torch", "seconds", "command", "steps",
+                                        "guidance")}  # fmt: skip
+        record["env"] = made.get("env")  # None: an older record kept none
         record["rescored"] = " ".join(sys.argv)
     name = evaluate.output_name(args.model, args.tag)
     args.out.mkdir(parents=True, exist_ok=True)
