@@ -309,6 +309,19 @@ def exec_config(args: argparse.Namespace) -> ExecConfig:
     return dataclass_from_args(ExecConfig, args)
 
 
+def source_commit() -> str:
+    """The commit a benchmark ran: GIT_COMMIT first (the device's copy of the tree may carry a
+    stale .git), else `git rev-parse HEAD`, else ""."""
+    commit = os.environ.get("GIT_COMMIT", "")
+    if not commit:
+        try:
+            git = ["git", "rev-parse", "HEAD"]
+            commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    return commit
+
+
 def environment(device: torch.device, execution: ExecConfig | None = None) -> dict:
     import diffusers
     import transformers
@@ -328,15 +341,7 @@ def environment(device: torch.device, execution: ExecConfig | None = None) -> di
         env["triton"] = triton.__version__
     except ImportError:
         pass
-    # GIT_COMMIT first: the device's copy of the tree may carry a stale .git
-    commit = os.environ.get("GIT_COMMIT", "")
-    if not commit:
-        try:
-            git = ["git", "rev-parse", "HEAD"]
-            commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
-        except OSError:
-            pass
-    env["commit"] = commit
+    env["commit"] = source_commit()
     # the engine's switches (kernels, graphs, layouts) this run was made with
     if execution is not None:
         env["execution"] = dataclasses.asdict(execution)

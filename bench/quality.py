@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_masked_step import source_commit  # noqa: E402
 from instgenie.cache.quant import FP8  # noqa: E402
 from instgenie.cache.store import InMemoryStore  # noqa: E402
 from instgenie.config import ExecConfig  # noqa: E402
@@ -105,8 +105,6 @@ def main() -> int:
     capture = "" if args.capture_prompt == "caption" else f"-{args.capture_prompt}"
     name = evaluate.output_name(args.model, capture + args.tag)  # the caption's files keep theirs
     args.out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
     record = {
         "model": args.model, "steps": args.steps, "guidance": args.guidance,
         "sparse_convs": args.sparse_convs, "margins": args.margins,
@@ -117,7 +115,7 @@ def main() -> int:
         "summary": evaluate.summary(rows, list(pipes)), "rows": rows,
         "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
                    else platform.processor() or "cpu"),
-        "torch": torch.__version__, "commit": commit,
+        "torch": torch.__version__, "commit": source_commit(),
         "seconds": round(time.monotonic() - t0, 1), "command": " ".join(sys.argv),
     }  # fmt: skip
     (args.out / f"quality-{name}.json").write_text(json.dumps(record, indent=1) + "\n")
